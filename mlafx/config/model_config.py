@@ -1,0 +1,415 @@
+"""`ModelConfig`: the frozen, validated description of one MLA model.
+
+Built from a Hugging Face ``config.json`` (``deepseek_v2``, ``deepseek_v3``/``kimi_k2``,
+``glm4_moe_lite``, or any of them nested under ``text_config`` as Kimi K2.5 does) with
+optional ``hf_overrides`` applied over the file before validation, like vLLM's
+``--hf-overrides``. Every error names the offending field.
+
+Symbols (DESIGN.md): D = hidden_size, H = num_attention_heads, Lkv = kv_lora_rank,
+R = qk_rope_head_dim, P = qk_nope_head_dim, V = v_head_dim, Lq = q_lora_rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from mlafx.config.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A model configuration mlafx cannot serve; the message names the field."""
+
+
+# model_type -> family. Kimi K2 ships as "kimi_k2" with DeepSeek-V3 modelling code.
+_FAMILIES = {
+    "deepseek_v2": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+    "glm4_moe_lite": "glm4_moe_lite",
+}
+# Sparse-attention (DSA) model types: same latent cache, but an indexer picks the keys.
+_SPARSE_MODEL_TYPES = {"deepseek_v32", "glm_moe_dsa", "glm5"}
+
+# Router defaults per family when config.json is silent (transformers' behaviour).
+_ROUTER_DEFAULTS = {
+    "deepseek_v2": ("softmax", "greedy"),
+    "deepseek_v3": ("sigmoid", "noaux_tc"),
+    "glm4_moe_lite": ("sigmoid", "noaux_tc"),
+}
+
+ScoringFunc = Literal["softmax", "sigmoid"]
+TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
+
+# Keys that may appear in config.json and that mlafx deliberately does not read (they
+# do not change the math of inference, or describe training). Overriding one is allowed.
+_IGNORED_KEYS = {
+    "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "use_cache",
+    "initializer_range", "pretraining_tp", "attention_dropout", "output_router_logits",
+    "aux_loss_alpha", "seq_aux", "router_aux_loss_coef", "pad_token_id", "qk_head_dim",
+    "head_dim", "num_nextn_predict_layers", "num_mtp_layers", "quantization_config",
+    "ep_size", "_name_or_path", "model_type", "tokenizer_class", "bos_token_id",
+    "eos_token_id", "name_or_path", "id2label", "label2id", "return_dict",
+    "output_hidden_states", "output_attentions", "chunk_size_feed_forward", "is_decoder",
+    "is_encoder_decoder", "tie_encoder_decoder", "problem_type", "num_labels",
+}
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """DeepSeek YaRN RoPE scaling (``rope_type: yarn``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # explicit cos/sin scale; derived when None
+    truncate: bool = True  # round the YaRN correction range to whole dimensions
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """The factor on cos/sin: ``mscale(f, mscale) / mscale(f, mscale_all_dim)`` when both
+        are set, else ``mscale(f)`` (transformers' and DeepSeek's rule)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        if self.mscale and self.mscale_all_dim:
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """``mscale(s, m) = 1 if s <= 1 else 0.1 * m * ln(s) + 1`` (DESIGN.md)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # MoE
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    mlp_layer_types: tuple[str, ...]  # "dense" | "sparse" per layer
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    scoring_func: ScoringFunc
+    topk_method: TopkMethod
+    n_group: int
+    topk_group: int
+    # norms, RoPE, embeddings
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: YarnScaling | None
+    rope_interleave: bool
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    # ----- derived quantities (never stored twice) -----
+    @property
+    def qk_head_dim(self) -> int:
+        """P + R: width of one head's query/key."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Lkv + R: width of one paged-cache row."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``(P+R)^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` under YaRN."""
+        scale = self.qk_head_dim**-0.5
+        if self.rope_scaling is not None and self.rope_scaling.mscale_all_dim:
+            m = yarn_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.mlp_layer_types[layer] == "sparse"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ----- constructors -----
+    @classmethod
+    def from_hf_dict(
+        cls, raw: dict[str, Any], hf_overrides: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        """Validate an HF config dict (with ``hf_overrides`` applied first)."""
+        return _parse(_apply_overrides(_text_config(raw), hf_overrides or {}))
+
+    @classmethod
+    def from_model(
+        cls, model: str | Path, hf_overrides: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        """``model`` is a preset name (see ``mlafx.config.PRESETS``) or a directory."""
+        return cls.from_hf_dict(load_hf_config_dict(model), hf_overrides)
+
+
+def load_hf_config_dict(model: str | Path) -> dict[str, Any]:
+    """The raw config dict of a preset name or a local model directory."""
+    if isinstance(model, str) and model in PRESETS:
+        return json.loads(json.dumps(PRESETS[model]))  # a deep copy
+    path = Path(model)
+    if not path.is_dir():
+        raise ConfigError(
+            f"model {str(model)!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+            "nor a local directory (weights cannot be downloaded here)"
+        )
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{path} has no config.json")
+    with cfg_file.open() as f:
+        return json.load(f)
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal wrappers (Kimi K2.5) keep the language model under ``text_config``."""
+    text = raw.get("text_config")
+    if isinstance(text, dict) and "model_type" in text:
+        return dict(text)
+    return dict(raw)
+
+
+def _apply_overrides(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"hf_overrides must be a dict, got {type(overrides).__name__}")
+    known = set(cfg) | {f.name for f in dataclasses.fields(ModelConfig)} | _READ_KEYS | _IGNORED_KEYS
+    unknown = sorted(k for k in overrides if k not in known)
+    if unknown:
+        raise ConfigError(
+            f"unknown hf_overrides key(s): {', '.join(unknown)} "
+            "(neither in config.json nor a field mlafx reads)"
+        )
+    return {**cfg, **overrides}
+
+
+# config.json keys that _parse reads beyond the dataclass field names.
+_READ_KEYS = {
+    "rope_parameters", "rope_scaling", "first_k_dense_replace", "moe_layer_freq",
+    "num_key_value_heads", "hidden_act", "eos_token_id", "bos_token_id", "index_topk",
+    "num_experts_per_tok", "mlp_bias", "partial_rotary_factor",
+}
+
+
+def _require(cfg: dict[str, Any], key: str) -> Any:
+    if cfg.get(key) is None:
+        raise ConfigError(f"config field {key!r} is missing")
+    return cfg[key]
+
+
+def _positive_int(cfg: dict[str, Any], key: str) -> int:
+    value = _require(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"config field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, YarnScaling | None]:
+    """RoPE theta and YaRN scaling from either transformers-5 ``rope_parameters`` or the
+    hub's ``rope_theta`` + ``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(legacy, dict):
+        raise ConfigError("config fields 'rope_parameters'/'rope_scaling' must be objects")
+    params = {**legacy, **params}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if theta <= 0:
+        raise ConfigError(f"config field 'rope_theta' must be positive, got {theta}")
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ConfigError(f"config field 'partial_rotary_factor'={partial} is not supported")
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ("yarn", "deepseek_yarn"):
+        raise ConfigError(f"config field 'rope_type'={rope_type!r} is not supported (yarn only)")
+    factor = params.get("factor")
+    original = params.get("original_max_position_embeddings")
+    if factor is None or original is None:
+        raise ConfigError(
+            "YaRN RoPE needs 'factor' and 'original_max_position_embeddings' in rope_parameters"
+        )
+    if float(factor) <= 0 or int(original) <= 0:
+        raise ConfigError("YaRN 'factor' and 'original_max_position_embeddings' must be positive")
+    yarn = YarnScaling(
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=_optional_float(params.get("mscale")),
+        mscale_all_dim=_optional_float(params.get("mscale_all_dim")),
+        attention_factor=_optional_float(params.get("attention_factor")),
+        truncate=bool(params.get("truncate", True)),
+    )
+    return theta, yarn
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _mlp_layer_types(cfg: dict[str, Any], num_layers: int, moe: bool) -> tuple[str, ...]:
+    explicit = cfg.get("mlp_layer_types")
+    if explicit is not None:
+        types = tuple(explicit)
+        if len(types) != num_layers or any(t not in ("dense", "sparse") for t in types):
+            raise ConfigError(
+                f"config field 'mlp_layer_types' must list 'dense'/'sparse' for each of the "
+                f"{num_layers} layers, got {list(types)}"
+            )
+        if not moe and "sparse" in types:
+            raise ConfigError("config field 'mlp_layer_types' has sparse layers but no experts")
+        return types
+    if not moe:
+        return ("dense",) * num_layers
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    if first_dense < 0 or freq <= 0:
+        raise ConfigError("config fields 'first_k_dense_replace' >= 0 and 'moe_layer_freq' > 0")
+    return tuple(
+        "sparse" if (i >= first_dense and i % freq == 0) else "dense" for i in range(num_layers)
+    )
+
+
+def _parse(cfg: dict[str, Any]) -> ModelConfig:
+    model_type = cfg.get("model_type")
+    if model_type in _SPARSE_MODEL_TYPES or cfg.get("index_topk") is not None:
+        raise ConfigError(
+            f"model_type {model_type!r} uses DSA sparse attention (config field 'index_topk'), "
+            "which mlafx does not support yet"
+        )
+    if model_type not in _FAMILIES:
+        raise ConfigError(
+            f"unknown config field 'model_type'={model_type!r}; supported: "
+            f"{', '.join(sorted(_FAMILIES))}"
+        )
+    family = _FAMILIES[model_type]
+
+    dims = {
+        k: _positive_int(cfg, k)
+        for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "max_position_embeddings",
+        )
+    }
+    if dims["qk_rope_head_dim"] % 2:
+        raise ConfigError(f"config field 'qk_rope_head_dim' must be even, got {dims['qk_rope_head_dim']}")
+    q_lora_rank = cfg.get("q_lora_rank")
+    if q_lora_rank is not None:
+        q_lora_rank = _positive_int(cfg, "q_lora_rank")
+    kv_heads = cfg.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != dims["num_attention_heads"]:
+        raise ConfigError(
+            f"config field 'num_key_value_heads'={kv_heads} must equal num_attention_heads="
+            f"{dims['num_attention_heads']} (MLA has one latent shared by all heads)"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"config field 'hidden_act'={act!r} is not supported (silu only)")
+    if cfg.get("mlp_bias"):
+        raise ConfigError("config field 'mlp_bias'=true is not supported")
+
+    n_routed = int(cfg.get("n_routed_experts") or 0)
+    moe = n_routed > 0
+    if n_routed < 0:
+        raise ConfigError(f"config field 'n_routed_experts' must be >= 0, got {n_routed}")
+    top_k = int(cfg.get("num_experts_per_tok") or 0) if moe else 0
+    moe_inter = int(cfg.get("moe_intermediate_size") or 0) if moe else 0
+    n_shared = int(cfg.get("n_shared_experts") or 0) if moe else 0
+    if moe:
+        if top_k <= 0 or top_k > n_routed:
+            raise ConfigError(
+                f"config field 'num_experts_per_tok'={cfg.get('num_experts_per_tok')} must be in "
+                f"1..n_routed_experts={n_routed}"
+            )
+        if moe_inter <= 0:
+            raise ConfigError("config field 'moe_intermediate_size' must be a positive integer")
+        if n_shared < 0:
+            raise ConfigError("config field 'n_shared_experts' must be >= 0")
+
+    default_scoring, default_method = _ROUTER_DEFAULTS[family]
+    scoring = cfg.get("scoring_func") or default_scoring
+    method = cfg.get("topk_method") or default_method
+    if scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"config field 'scoring_func'={scoring!r}: softmax or sigmoid")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ConfigError(
+            f"config field 'topk_method'={method!r}: greedy, group_limited_greedy or noaux_tc"
+        )
+    n_group = int(cfg.get("n_group") or 1)
+    topk_group = int(cfg.get("topk_group") or n_group)
+    if moe:
+        if n_group <= 0 or n_routed % n_group:
+            raise ConfigError(
+                f"config field 'n_group'={n_group} must divide n_routed_experts={n_routed}"
+            )
+        if not 1 <= topk_group <= n_group:
+            raise ConfigError(f"config field 'topk_group'={topk_group} must be in 1..n_group")
+        if method == "noaux_tc" and n_routed // n_group < 2:
+            raise ConfigError("topk_method noaux_tc needs at least 2 experts per group (n_group)")
+        if top_k > (n_routed // n_group) * topk_group:
+            raise ConfigError(
+                f"config field 'num_experts_per_tok'={top_k} exceeds the experts in the "
+                f"topk_group={topk_group} selected groups"
+            )
+
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    if eps <= 0:
+        raise ConfigError(f"config field 'rms_norm_eps' must be positive, got {eps}")
+    theta, yarn = _rope(cfg)
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    for tok in eos_ids:
+        if not 0 <= tok < dims["vocab_size"]:
+            raise ConfigError(f"config field 'eos_token_id'={tok} is outside the vocabulary")
+    bos = cfg.get("bos_token_id")
+
+    return ModelConfig(
+        model_type=model_type,
+        family=family,
+        q_lora_rank=q_lora_rank,
+        moe_intermediate_size=moe_inter,
+        n_routed_experts=n_routed,
+        num_experts_per_tok=top_k,
+        n_shared_experts=n_shared,
+        mlp_layer_types=_mlp_layer_types(cfg, dims["num_hidden_layers"], moe),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        scoring_func=scoring,
+        topk_method=method,
+        n_group=n_group,
+        topk_group=topk_group,
+        rms_norm_eps=eps,
+        rope_theta=theta,
+        rope_scaling=yarn,
+        # DeepSeek-V2 is always interleaved; V3/GLM configs may switch to NeoX halves.
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        **dims,
+    )

@@ -1,0 +1,4 @@
+"""Ahead-of-time artifacts (AOTInductor package, ``torch.export`` .pt2, ONNX).
+
+Filled by the export issue. Must not import ``mlafx.runtime``.
+"""

@@ -1,0 +1,93 @@
+"""The DeepSeek-V2/V3-family causal LM (also Kimi K2, GLM-4.7-Flash) as one step function.
+
+``forward(input_ids [T], positions [T], caches, meta, logits_indices [S]) -> logits [S, vocab]``
+(DESIGN.md "The step ABI"). Module and parameter names are transformers' in-memory names,
+so checkpoints load directly (see ``mlafx.models.weights``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlafx.config import ModelConfig
+from mlafx.models.attention import MLAttention
+from mlafx.models.layers import RMSNorm, SwiGLU
+from mlafx.models.moe import MoE
+from mlafx.models.rope import rope_cos_sin, rope_inv_freq
+from mlafx.models.step import StepMetadata
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoE(cfg) if cfg.is_moe_layer(layer) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        key_slots: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(
+            self.input_layernorm(x), cos, sin, cache, slot_mapping, key_slots, mask
+        )
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """transformers' ``model.*``: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MLAForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_scale = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.cos_sin_scale
+
+    def reset_rope(self) -> None:
+        """Recompute the (non-persistent) RoPE frequencies, e.g. after ``to_empty``."""
+        self.rope_inv_freq = rope_inv_freq(self.config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        caches: list[torch.Tensor],  # per layer [NB, BS, Lkv+R], written in place
+        meta: StepMetadata,
+        logits_indices: torch.Tensor,  # [S] int64: the tokens whose next token is sampled
+    ) -> torch.Tensor:  # [S, vocab]
+        block_size = caches[0].shape[1]
+        # Built once per step, shared by every layer: where each key row lives in the paged
+        # cache, and which key rows each query may see (own sequence, not in its future).
+        key_blocks = meta.block_table[meta.key_seq_ids, meta.key_positions // block_size]
+        key_slots = key_blocks.to(torch.int64) * block_size + meta.key_positions % block_size
+        mask = (meta.query_seq_ids[:, None] == meta.key_seq_ids[None, :]) & (
+            meta.key_positions[None, :] <= positions[:, None]
+        )
+        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_scale)
+
+        x = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            x = layer(x, cos, sin, cache, meta.slot_mapping, key_slots, mask)
+        return self.lm_head(self.model.norm(x.index_select(0, logits_indices)))

@@ -1,0 +1,65 @@
+"""Build the model for a config and dtype, then fill its weights (checkpoint or dummy)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from mlafx.config import ModelConfig
+from mlafx.models.deepseek import MLAForCausalLM
+from mlafx.models.moe import Router
+
+log = logging.getLogger(__name__)
+
+LoadFormat = Literal["auto", "dummy"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}") from None
+
+
+def build_model(
+    cfg: ModelConfig,
+    dtype: str,
+    load_format: LoadFormat,
+    model_dir: str | Path | None = None,
+    *,
+    seed: int = 0,
+    progress: bool = True,
+) -> MLAForCausalLM:
+    """An eval-mode model in ``dtype`` (router weights stay float32) with its weights filled.
+
+    The module tree is built on the meta device and materialised once, uninitialised, so
+    no tensor is allocated twice; ``load_format="auto"`` then copies memory-mapped
+    safetensors in, ``"dummy"`` fills seeded random values.
+    """
+    from mlafx.models.weights import init_dummy_weights, load_safetensors_weights
+
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy'")
+    if load_format == "auto" and model_dir is None:
+        raise ValueError("load_format='auto' needs a model directory with safetensors weights")
+    with torch.device("meta"):
+        model = MLAForCausalLM(cfg)
+    model.to(torch_dtype(dtype))
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.float()
+    model.to_empty(device="cpu")
+    if cfg.tie_word_embeddings:  # materialising gives each module its own tensor: re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.reset_rope()
+    if load_format == "dummy":
+        init_dummy_weights(model, seed=seed)
+    else:
+        load_safetensors_weights(
+            model, Path(model_dir), num_hidden_layers=cfg.num_hidden_layers, progress=progress
+        )
+    return model.eval().requires_grad_(False)
