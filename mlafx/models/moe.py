@@ -93,15 +93,16 @@ def routed_experts_reference(
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     flat_weights = topk_weights.reshape(-1, 1)
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    # One fp32 row per (token, choice) pair, summed over the k choices at the end: a copy
+    # per expert instead of a scatter-add, and the same summation order for every batch.
+    pair_out = torch.zeros(flat_ids.shape[0], x.shape[1], dtype=torch.float32)
     for expert, pairs in enumerate(torch.split(order, counts)):
         if pairs.numel() == 0:
             continue
-        tokens = pairs // k
-        gate, up = F.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        gate, up = F.linear(x[pairs // k], w13[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w2[expert])
-        out.index_add_(0, tokens, y.to(torch.float32) * flat_weights[pairs])
-    return out.to(x.dtype)
+        pair_out.index_copy_(0, pairs, y.to(torch.float32) * flat_weights[pairs])
+    return pair_out.view(-1, k, x.shape[1]).sum(1).to(x.dtype)
 
 
 class MoE(nn.Module):

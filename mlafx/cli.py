@@ -1,0 +1,163 @@
+"""Command line: ``mlafx run`` (more subcommands arrive with their issues).
+
+``mlafx run`` with no arguments serves the embedded default: the ``deepseek-v2-lite`` preset
+shrunk to 2 layers and 4 experts, with dummy weights, in bf16, on a batch of token-id
+prompts including a ~300-token one. Flags follow vLLM's names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES
+from mlafx.runtime import LLM, RequestOutput, SamplingParams
+
+
+def demo_prompts() -> list[list[int]]:
+    """Deterministic token-id prompts of 8, 40 and 300 tokens (valid for any vocab >= 1000)."""
+    return [
+        [(17 * i + 3) % 1000 for i in range(length)] for length in (8, 40, 300)
+    ]
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--hf-overrides is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--hf-overrides must be a JSON object")
+    return value
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose and shape the model, shared by the subcommands."""
+    parser.add_argument("--model", help="preset name or local model directory "
+                        "(default: the embedded shrunk DeepSeek-V2-Lite with dummy weights)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"],
+                        help="'auto' reads safetensors, 'dummy' random weights "
+                        "(default: dummy for the embedded model, else auto)")
+    parser.add_argument("--hf-overrides", type=_json_object, default=None,
+                        help="JSON object applied over config.json, e.g. '{\"num_hidden_layers\": 2}'")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def build_llm(args: argparse.Namespace) -> LLM:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, overrides = args.model, args.hf_overrides
+    load_format = args.load_format
+    if model is None:
+        model = EMBEDDED_DEFAULT_MODEL
+        overrides = {**EMBEDDED_DEFAULT_OVERRIDES, **(overrides or {})}
+        load_format = load_format or "dummy"
+    return LLM(
+        model,
+        load_format=load_format or "auto",
+        hf_overrides=overrides,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        seed=args.seed,
+        progress=sys.stderr.isatty(),
+    )
+
+
+def summarize(outputs: list[RequestOutput], wall_seconds: float) -> dict[str, Any]:
+    """Per-request TTFT, and decode throughput over the whole batch."""
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs if o.metrics]
+    first = min(o.metrics.first_token_time for o in outputs if o.metrics)
+    last = max(o.metrics.finished_time for o in outputs if o.metrics)
+    decode_tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
+    return {
+        "ttft_s": ttft,
+        "ttft_median_s": statistics.median(ttft),
+        "decode_tokens": decode_tokens,
+        "decode_tokens_per_s": decode_tokens / (last - first) if last > first else float("nan"),
+        "wall_s": wall_seconds,
+    }
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    llm = build_llm(args)
+    load_seconds = time.perf_counter() - start
+    prompts = args.prompt_token_ids or demo_prompts()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    stats = summarize(outputs, time.perf_counter() - start)
+    if args.json:
+        print(json.dumps({
+            "model": llm.config.model_type,
+            "num_hidden_layers": llm.config.num_hidden_layers,
+            "dtype": args.dtype,
+            "load_s": load_seconds,
+            "outputs": [
+                {"prompt_len": len(o.prompt_token_ids), "token_ids": o.outputs[0].token_ids,
+                 "finish_reason": o.outputs[0].finish_reason}
+                for o in outputs
+            ],
+            **stats,
+        }, indent=2))
+        return 0
+    cfg = llm.config
+    print(f"model: {cfg.model_type}, {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, "
+          f"{args.dtype}, block size {args.block_size} (loaded in {load_seconds:.1f} s)")
+    for i, out in enumerate(outputs):
+        print(f"prompt {i} ({len(out.prompt_token_ids)} tokens) -> {out.outputs[0].token_ids} "
+              f"[{out.outputs[0].finish_reason}]")
+    print(f"time to first token: median {stats['ttft_median_s'] * 1e3:.1f} ms "
+          f"(per prompt: {', '.join(f'{t * 1e3:.1f}' for t in stats['ttft_s'])} ms)")
+    print(f"decode: {stats['decode_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tokens/s")
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlafx", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate for a batch of prompts and print the tokens and timings")
+    add_model_flags(run)
+    run.add_argument("--prompt-token-ids", type=_token_ids, action="append",
+                     help="a prompt as comma-separated token ids (repeatable; default: demo prompts)")
+    run.add_argument("--max-tokens", type=int, default=16)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = make_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as e:  # bad input: a clear message, no traceback
+        print(f"mlafx {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""ModelConfig: parsing of every supported family, overrides, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlafx.config import (
+    EMBEDDED_DEFAULT_OVERRIDES,
+    ConfigError,
+    ModelConfig,
+    check_fits_in_memory,
+    weight_bytes,
+)
+from mlafx.config.presets import DEEPSEEK_V2_LITE
+
+
+def v2_lite(**overrides) -> dict:
+    return {**json.loads(json.dumps(DEEPSEEK_V2_LITE)), **overrides}
+
+
+def test_preset_holds_the_real_deepseek_v2_lite_config():
+    cfg = ModelConfig.from_model("deepseek-v2-lite")
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (
+        102400, 2048, 27, 16,
+    )
+    assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim) == (
+        512, 64, 128, 128,
+    )
+    assert cfg.q_lora_rank is None and cfg.latent_width == 576
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (64, 6, 2)
+    assert cfg.mlp_layer_types == ("dense",) + ("sparse",) * 26
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.factor == 40
+    assert cfg.rope_scaling.cos_sin_scale == pytest.approx(1.0)  # mscale == mscale_all_dim
+    # (P+R)^-0.5 * mscale(40, 0.707)^2, never (Lkv+R)^-0.5
+    mscale = 0.1 * 0.707 * __import__("math").log(40) + 1
+    assert cfg.softmax_scale == pytest.approx(192**-0.5 * mscale**2)
+    assert cfg.eos_token_ids == (100001,) and cfg.bos_token_id == 100000
+    # ~15.7B parameters: ~31 GB in bf16
+    assert 30e9 < weight_bytes(cfg, "bfloat16") < 33e9
+
+
+def test_embedded_default_overrides():
+    cfg = ModelConfig.from_model("deepseek-v2-lite", EMBEDDED_DEFAULT_OVERRIDES)
+    assert cfg.num_hidden_layers == 2 and cfg.n_routed_experts == 4
+    assert cfg.mlp_layer_types == ("sparse", "sparse") and cfg.num_experts_per_tok == 2
+
+
+def test_transformers5_rope_parameters_and_hub_rope_scaling_agree():
+    hub = ModelConfig.from_hf_dict(v2_lite())
+    raw = v2_lite(rope_parameters={"rope_type": "yarn", "rope_theta": 10000, **{
+        k: v for k, v in DEEPSEEK_V2_LITE["rope_scaling"].items() if k != "type"}})
+    del raw["rope_scaling"], raw["rope_theta"]
+    assert ModelConfig.from_hf_dict(raw) == hub
+
+
+def test_families_and_nested_text_config():
+    v3_raw = v2_lite(model_type="deepseek_v3", q_lora_rank=1536, n_group=8, topk_group=4)
+    del v3_raw["scoring_func"], v3_raw["topk_method"]  # silent config: the family's router
+    v3 = ModelConfig.from_hf_dict(v3_raw)
+    assert v3.family == "deepseek_v3" and v3.scoring_func == "sigmoid" and v3.topk_method == "noaux_tc"
+    assert v3.q_lora_rank == 1536 and (v3.n_group, v3.topk_group) == (8, 4)
+    kimi = ModelConfig.from_hf_dict(v2_lite(model_type="kimi_k2"))
+    assert kimi.family == "deepseek_v3"
+    wrapped = ModelConfig.from_hf_dict({"model_type": "kimi_k25", "text_config": v2_lite()})
+    assert wrapped == ModelConfig.from_hf_dict(v2_lite())
+    glm = ModelConfig.from_hf_dict(v2_lite(
+        model_type="glm4_moe_lite", qk_nope_head_dim=192, v_head_dim=256, num_attention_heads=20,
+        num_key_value_heads=20, mlp_layer_types=["dense"] + ["sparse"] * 26))
+    assert glm.qk_head_dim == 256 and glm.v_head_dim == 256 and glm.latent_width == 576
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (v2_lite(model_type="llama"), "model_type"),
+        (v2_lite(model_type="deepseek_v32", index_topk=2048), "index_topk"),
+        (v2_lite(model_type="deepseek_v3", index_topk=2048), "index_topk"),
+        (v2_lite(hidden_size=0), "hidden_size"),
+        (v2_lite(kv_lora_rank=-512), "kv_lora_rank"),
+        (v2_lite(qk_rope_head_dim=63), "qk_rope_head_dim"),
+        (v2_lite(num_key_value_heads=8), "num_key_value_heads"),
+        (v2_lite(num_experts_per_tok=65), "num_experts_per_tok"),
+        (v2_lite(n_group=3), "n_group"),
+        (v2_lite(topk_method="random"), "topk_method"),
+        (v2_lite(hidden_act="gelu"), "hidden_act"),
+        (v2_lite(mlp_layer_types=["dense"]), "mlp_layer_types"),
+        (v2_lite(rope_scaling={"type": "yarn", "factor": 4}), "original_max_position_embeddings"),
+        (v2_lite(vocab_size=None), "vocab_size"),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_field(raw, field):
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_hf_dict(raw)
+
+
+def test_overrides_apply_before_validation_and_unknown_keys_are_refused():
+    cfg = ModelConfig.from_hf_dict(v2_lite(), {"num_hidden_layers": 3, "first_k_dense_replace": 2})
+    assert cfg.mlp_layer_types == ("dense", "dense", "sparse")
+    with pytest.raises(ConfigError, match="num_hiden_layers"):
+        ModelConfig.from_hf_dict(v2_lite(), {"num_hiden_layers": 3})
+    with pytest.raises(ConfigError, match="hidden_size"):
+        ModelConfig.from_hf_dict(v2_lite(), {"hidden_size": -1})
+
+
+def test_model_argument_errors(tmp_path):
+    with pytest.raises(ConfigError, match="neither a preset"):
+        ModelConfig.from_model("no-such-model")
+    with pytest.raises(ConfigError, match="config.json"):
+        ModelConfig.from_model(tmp_path)
+
+
+def test_full_preset_is_refused_up_front_with_an_estimate():
+    cfg = ModelConfig.from_model("deepseek-v2-lite")
+    with pytest.raises(ConfigError, match=r"needs about 29\.\d GiB"):
+        check_fits_in_memory(cfg, "bfloat16", min_kv_tokens=16)
