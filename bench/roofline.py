@@ -1,0 +1,70 @@
+"""This machine's roofline, measured in the same run as the figures it judges.
+
+- read bandwidth: summing a large fp32 tensor (each byte read once, nothing written back);
+- copy bandwidth: ``dst.copy_(src)`` counted as bytes read + bytes written;
+- bf16 / fp32 matmul rates: square ``torch.mm`` at a size where oneDNN is at its best.
+Timings are noisy here: every figure is a median over repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+def median_seconds(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    threads: int
+    read_gbps: float
+    copy_gbps: float
+    bf16_matmul_gflops: float
+    fp32_matmul_gflops: float
+
+    def time_floor(self, num_bytes: float, flops: float, dtype: torch.dtype) -> float:
+        """Seconds a kernel needs at best: the larger of its memory and compute times."""
+        peak = self.bf16_matmul_gflops if dtype in (torch.bfloat16, torch.float16) else self.fp32_matmul_gflops
+        return max(num_bytes / (self.read_gbps * 1e9), flops / (peak * 1e9))
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def measure(*, megabytes: int = 512, matmul_size: int = 2048, quick: bool = False) -> Roofline:
+    if quick:
+        megabytes, matmul_size = 64, 512
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    read = x.numel() * 4 / median_seconds(lambda: x.sum()) / 1e9
+    copy = 2 * x.numel() * 4 / median_seconds(lambda: y.copy_(x)) / 1e9
+    rates = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.randn(matmul_size, matmul_size).to(dtype)
+        b = torch.randn(matmul_size, matmul_size).to(dtype)
+        seconds = median_seconds(lambda a=a, b=b: torch.mm(a, b), repeats=5)
+        rates[dtype] = 2 * matmul_size**3 / seconds / 1e9
+    return Roofline(
+        threads=torch.get_num_threads(),
+        read_gbps=read,
+        copy_gbps=copy,
+        bf16_matmul_gflops=rates[torch.bfloat16],
+        fp32_matmul_gflops=rates[torch.float32],
+    )
+
+
+if __name__ == "__main__":
+    print(measure())

@@ -1,0 +1,25 @@
+// Run-time CPU feature dispatch, shared by every op family.
+//
+// The library is built once and must load on any x86-64 CPU: `*_avx512.cpp` sources are
+// compiled with AVX-512 flags (see setup.py) and may only be *called* when this says so.
+// Their code lives in namespace mlafx::avx512 and is declared in ATen-free headers;
+// tests/test_kernel_extension.py fails if any other function in the .so uses AVX/AVX-512.
+#pragma once
+
+namespace mlafx {
+
+// True iff the CPU and OS support AVX-512 F/BW/VL/DQ + BF16 (+ FMA).
+bool cpu_supports_avx512_bf16();
+
+// True iff MLAFX_DISABLE_AVX512 is set to a non-empty value other than "0". Lets tests and
+// users force the portable path on an AVX-512 machine.
+bool avx512_disabled_by_env();
+
+// The decision every kernel consults: hardware support and not disabled. Computed once per
+// process (on first call), so the environment variable must be set before the first op runs.
+bool use_avx512_bf16();
+
+// "avx512_bf16" or "portable": which path the kernels take in this process.
+const char* active_cpu_isa();
+
+}  // namespace mlafx

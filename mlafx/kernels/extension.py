@@ -1,0 +1,99 @@
+"""Loading the C++ extension ``mlafx._C``, which registers the ``torch.ops.mlafx`` ops.
+
+The ops are defined and implemented in C++ (``TORCH_LIBRARY(mlafx, m)`` in ``csrc/``), so
+loading the shared library is all it takes; a process that only runs AOTInductor artifacts
+does ``torch.ops.load_library(library_path())`` instead of importing this package.
+
+A missing, mismatched or stale build raises :class:`ExtensionLoadError` with the command that
+fixes it. It never falls back to slower code: a silent fallback would make every benchmark
+and every comparison with the reference meaningless.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from mlafx.kernels.source_hash import CSRC_DIR, csrc_sha256
+
+EXTENSION_MODULE = "mlafx._C"
+BUILD_INFO_MODULE = "mlafx.kernels._build_info"
+REBUILD_HINT = "Rebuild it: run `make build` (or `pip install -e . --no-build-isolation`)."
+
+
+class ExtensionLoadError(ImportError):
+    """The C++ extension is missing, built against another torch, or older than its sources."""
+
+
+def _build_info() -> ModuleType:
+    try:
+        return importlib.import_module(BUILD_INFO_MODULE)
+    except ImportError as error:
+        raise ExtensionLoadError(
+            f"The mlafx C++ extension has not been built ({BUILD_INFO_MODULE} is missing). "
+            + REBUILD_HINT
+        ) from error
+
+
+def verify_build() -> None:
+    """Raise :class:`ExtensionLoadError` unless ``mlafx._C`` matches this torch and csrc/."""
+    info = _build_info()
+    if info.TORCH_VERSION != torch.__version__:
+        # Checked before loading: a library built against another torch can fail with an
+        # undefined symbol or, worse, load and crash in the dispatcher.
+        raise ExtensionLoadError(
+            f"The mlafx C++ extension was built against torch {info.TORCH_VERSION}, "
+            f"but torch {torch.__version__} is installed. " + REBUILD_HINT
+        )
+    # Installed wheels ship no csrc/: there is nothing the build could be stale against.
+    if CSRC_DIR.is_dir():
+        current = csrc_sha256(CSRC_DIR)
+        if current != info.CSRC_SHA256:
+            raise ExtensionLoadError(
+                f"The mlafx C++ extension is stale: {CSRC_DIR} changed since it was built "
+                f"(built from sha256 {info.CSRC_SHA256[:12]}, sources now {current[:12]}). "
+                + REBUILD_HINT
+            )
+
+
+def library_path() -> Path:
+    """Path of the built ``mlafx._C`` shared library (for ``torch.ops.load_library``)."""
+    spec = importlib.util.find_spec(EXTENSION_MODULE)
+    if spec is None or spec.origin is None:
+        raise ExtensionLoadError(
+            f"The mlafx C++ extension ({EXTENSION_MODULE}) is not built. " + REBUILD_HINT
+        )
+    return Path(spec.origin)
+
+
+def load_extension() -> ModuleType:
+    """Check the build, then load ``mlafx._C`` (idempotent); returns the module."""
+    verify_build()
+    library_path()  # a clear error if the .so itself is missing
+    try:
+        return importlib.import_module(EXTENSION_MODULE)
+    except ImportError as error:
+        raise ExtensionLoadError(
+            f"Loading the mlafx C++ extension failed: {error}. " + REBUILD_HINT
+        ) from error
+
+
+def cpu_isa() -> str:
+    """The kernels' code path in this process: ``"avx512_bf16"`` or ``"portable"``.
+
+    Fixed when the first op runs; set ``MLAFX_DISABLE_AVX512=1`` before that to force the
+    portable path.
+    """
+    load_extension()
+    return torch.ops.mlafx.cpu_isa()
+
+
+def parallel_num_threads() -> int:
+    """Threads an ``at::parallel_for`` inside the extension runs on (should be
+    ``torch.get_num_threads()``; 1 means the build lost OpenMP)."""
+    load_extension()
+    return torch.ops.mlafx.parallel_num_threads()

@@ -1,0 +1,90 @@
+"""The C++ extension as a build artefact: loading, staleness checks, threads, ISA hygiene."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mlafx.kernels import extension
+from mlafx.kernels.extension import ExtensionLoadError, library_path, load_extension
+
+
+def test_stale_sources_fail_loudly_with_hint(monkeypatch):
+    info = pytest.importorskip("mlafx.kernels._build_info")
+    monkeypatch.setattr(info, "CSRC_SHA256", "0" * 64)
+    with pytest.raises(ExtensionLoadError, match=r"stale.*make build.*--no-build-isolation"):
+        load_extension()
+
+
+def test_other_torch_version_fails_loudly_with_hint(monkeypatch):
+    info = pytest.importorskip("mlafx.kernels._build_info")
+    monkeypatch.setattr(info, "TORCH_VERSION", "0.0.0")
+    with pytest.raises(ExtensionLoadError, match=r"built against torch 0\.0\.0.*make build"):
+        load_extension()
+
+
+def test_missing_build_fails_loudly_with_hint(monkeypatch):
+    monkeypatch.setattr(extension, "BUILD_INFO_MODULE", "mlafx.kernels._no_such_build_info")
+    with pytest.raises(ExtensionLoadError, match="not been built.*make build"):
+        load_extension()
+
+
+def test_load_library_alone_registers_the_ops():
+    # What a process running an AOTInductor artifact does: no mlafx import, only the .so.
+    # Fakes are Python-side, so only the C++ schema and CPU kernel are expected here.
+    script = (
+        "import sys, torch\n"
+        "torch.ops.load_library(sys.argv[1])\n"
+        "print(torch.ops.mlafx.write_latent_cache.default._schema)\n"
+        "print(torch.ops.mlafx.cpu_isa())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(library_path())],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    schema, isa = result.stdout.splitlines()
+    assert schema.startswith("mlafx::write_latent_cache(Tensor kv_c, Tensor k_pe, Tensor(a!)")
+    assert isa in ("avx512_bf16", "portable")
+
+
+def test_parallel_for_uses_torch_threads():
+    # Fails when the extension is built or linked without -fopenmp: at::parallel_for then
+    # compiles to a serial loop and every kernel silently runs on one core.
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch runs single-threaded here")
+    assert extension.parallel_num_threads() == torch.get_num_threads()
+
+
+def test_no_avx512_code_outside_avx512_sources():
+    """Only code from *_avx512.cpp (namespace mlafx::avx512, ATen's at::vec::AVX512) may use
+    VEX/EVEX instructions: anything else runs, or may run, before the CPU check, and an
+    inline function the linker picked from an AVX-512 object would crash older CPUs."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) not installed")
+    disassembly = subprocess.run(
+        [objdump, "-d", "-C", "--no-show-raw-insn", str(library_path())],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    allowed = ("mlafx::avx512::", "at::vec::AVX512::")
+    offenders: set[str] = set()
+    function = ""
+    for line in disassembly.splitlines():
+        header = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if header:
+            function = header.group(1)
+            continue
+        fields = line.split("\t")
+        if len(fields) >= 2 and fields[1].startswith("v") and not function.startswith(allowed):
+            offenders.add(function)
+    assert not offenders, f"vector-extension code outside the AVX-512 sources: {offenders}"
