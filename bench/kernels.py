@@ -30,30 +30,40 @@ CASE_MODULES: list[str] = [
 
 
 def print_table(rows: list[Row]) -> None:
-    header = f"{'op':<22} {'case':<34} {'dtype':<8} {'thr':>3} {'ms':>9} {'GB/s':>7} {'GFLOP/s':>8} {'roof':>5}  speed-ups"
+    header = (
+        f"{'op':<22} {'case':<34} {'dtype':<8} {'thr':>3} {'ms':>9} {'GB/s':>7} "
+        f"{'GFLOP/s':>8} {'roof':>5}  speed-ups"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         ups = ", ".join(f"{k} {r.baselines_ms[k] / r.median_ms:.1f}x" for k in r.baselines_ms)
-        print(f"{r.op:<22} {r.case:<34} {r.dtype:<8} {r.threads:>3} {r.median_ms:>9.3f} "
-              f"{r.gbps:>7.1f} {r.gflops:>8.1f} {r.roofline_fraction:>5.0%}  {ups}")
+        print(
+            f"{r.op:<22} {r.case:<34} {r.dtype:<8} {r.threads:>3} {r.median_ms:>9.3f} "
+            f"{r.gbps:>7.1f} {r.gflops:>8.1f} {r.roofline_fraction:>5.0%}  {ups}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
-    parser.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 and all)")
+    parser.add_argument(
+        "--threads", default=None, help="comma-separated thread counts (default: 1 and all)"
+    )
     parser.add_argument("--only", action="append", help="run only case modules containing this")
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "kernels.json")
     args = parser.parse_args(argv)
     all_threads = torch.get_num_threads()
-    threads = ([int(t) for t in args.threads.split(",")] if args.threads
-               else sorted({1, all_threads}))
+    threads = (
+        [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, all_threads})
+    )
     torch.set_num_threads(all_threads)
     roof = roofline_mod.measure(quick=args.quick)
-    print(f"roofline ({roof.threads} threads): read {roof.read_gbps:.1f} GB/s, copy "
-          f"{roof.copy_gbps:.1f} GB/s, bf16 matmul {roof.bf16_matmul_gflops:.0f} GFLOP/s, fp32 "
-          f"matmul {roof.fp32_matmul_gflops:.0f} GFLOP/s")
+    print(
+        f"roofline ({roof.threads} threads): read {roof.read_gbps:.1f} GB/s, copy "
+        f"{roof.copy_gbps:.1f} GB/s, bf16 matmul {roof.bf16_matmul_gflops:.0f} GFLOP/s, fp32 "
+        f"matmul {roof.fp32_matmul_gflops:.0f} GFLOP/s"
+    )
     rows: list[Row] = []
     for name in CASE_MODULES:
         if args.only and not any(o in name for o in args.only):
@@ -62,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(all_threads)
     print_table(rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(
-        {"roofline": roof.as_dict(), "rows": [r.as_dict() for r in rows]}, indent=2))
+    args.json.write_text(
+        json.dumps({"roofline": roof.as_dict(), "rows": [r.as_dict() for r in rows]}, indent=2)
+    )
     print(f"wrote {args.json}")
     return 0
 

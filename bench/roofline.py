@@ -37,7 +37,11 @@ class Roofline:
 
     def time_floor(self, num_bytes: float, flops: float, dtype: torch.dtype) -> float:
         """Seconds a kernel needs at best: the larger of its memory and compute times."""
-        peak = self.bf16_matmul_gflops if dtype in (torch.bfloat16, torch.float16) else self.fp32_matmul_gflops
+        peak = (
+            self.bf16_matmul_gflops
+            if dtype in (torch.bfloat16, torch.float16)
+            else self.fp32_matmul_gflops
+        )
         return max(num_bytes / (self.read_gbps * 1e9), flops / (peak * 1e9))
 
     def as_dict(self) -> dict[str, float]:

@@ -24,16 +24,16 @@ from mlafx.runtime import LLM, RequestOutput, SamplingParams
 
 def demo_prompts() -> list[list[int]]:
     """Deterministic token-id prompts of 8, 40 and 300 tokens (valid for any vocab >= 1000)."""
-    return [
-        [(17 * i + 3) % 1000 for i in range(length)] for length in (8, 40, 300)
-    ]
+    return [[(17 * i + 3) % 1000 for i in range(length)] for length in (8, 40, 300)]
 
 
 def _token_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids, got {text!r}"
+        ) from None
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -48,19 +48,31 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that choose and shape the model, shared by the subcommands."""
-    parser.add_argument("--model", help="preset name or local model directory "
-                        "(default: the embedded shrunk DeepSeek-V2-Lite with dummy weights)")
-    parser.add_argument("--load-format", choices=["auto", "dummy"],
-                        help="'auto' reads safetensors, 'dummy' random weights "
-                        "(default: dummy for the embedded model, else auto)")
-    parser.add_argument("--hf-overrides", type=_json_object, default=None,
-                        help="JSON object applied over config.json, e.g. '{\"num_hidden_layers\": 2}'")
+    parser.add_argument(
+        "--model",
+        help="preset name or local model directory "
+        "(default: the embedded shrunk DeepSeek-V2-Lite with dummy weights)",
+    )
+    parser.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        help="'auto' reads safetensors, 'dummy' random weights "
+        "(default: dummy for the embedded model, else auto)",
+    )
+    parser.add_argument(
+        "--hf-overrides",
+        type=_json_object,
+        default=None,
+        help="JSON object applied over config.json, e.g. '{\"num_hidden_layers\": 2}'",
+    )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: all cores)"
+    )
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
@@ -105,32 +117,48 @@ def cmd_run(args: argparse.Namespace) -> int:
     llm = build_llm(args)
     load_seconds = time.perf_counter() - start
     prompts = args.prompt_token_ids or demo_prompts()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     stats = summarize(outputs, time.perf_counter() - start)
     if args.json:
-        print(json.dumps({
-            "model": llm.config.model_type,
-            "num_hidden_layers": llm.config.num_hidden_layers,
-            "dtype": args.dtype,
-            "load_s": load_seconds,
-            "outputs": [
-                {"prompt_len": len(o.prompt_token_ids), "token_ids": o.outputs[0].token_ids,
-                 "finish_reason": o.outputs[0].finish_reason}
-                for o in outputs
-            ],
-            **stats,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": llm.config.model_type,
+                    "num_hidden_layers": llm.config.num_hidden_layers,
+                    "dtype": args.dtype,
+                    "load_s": load_seconds,
+                    "outputs": [
+                        {
+                            "prompt_len": len(o.prompt_token_ids),
+                            "token_ids": o.outputs[0].token_ids,
+                            "finish_reason": o.outputs[0].finish_reason,
+                        }
+                        for o in outputs
+                    ],
+                    **stats,
+                },
+                indent=2,
+            )
+        )
         return 0
     cfg = llm.config
-    print(f"model: {cfg.model_type}, {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, "
-          f"{args.dtype}, block size {args.block_size} (loaded in {load_seconds:.1f} s)")
+    print(
+        f"model: {cfg.model_type}, {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, "
+        f"{args.dtype}, block size {args.block_size} (loaded in {load_seconds:.1f} s)"
+    )
     for i, out in enumerate(outputs):
-        print(f"prompt {i} ({len(out.prompt_token_ids)} tokens) -> {out.outputs[0].token_ids} "
-              f"[{out.outputs[0].finish_reason}]")
-    print(f"time to first token: median {stats['ttft_median_s'] * 1e3:.1f} ms "
-          f"(per prompt: {', '.join(f'{t * 1e3:.1f}' for t in stats['ttft_s'])} ms)")
+        print(
+            f"prompt {i} ({len(out.prompt_token_ids)} tokens) -> {out.outputs[0].token_ids} "
+            f"[{out.outputs[0].finish_reason}]"
+        )
+    print(
+        f"time to first token: median {stats['ttft_median_s'] * 1e3:.1f} ms "
+        f"(per prompt: {', '.join(f'{t * 1e3:.1f}' for t in stats['ttft_s'])} ms)"
+    )
     print(f"decode: {stats['decode_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tokens/s")
     return 0
 
@@ -138,10 +166,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlafx", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="generate for a batch of prompts and print the tokens and timings")
+    run = sub.add_parser(
+        "run", help="generate for a batch of prompts and print the tokens and timings"
+    )
     add_model_flags(run)
-    run.add_argument("--prompt-token-ids", type=_token_ids, action="append",
-                     help="a prompt as comma-separated token ids (repeatable; default: demo prompts)")
+    run.add_argument(
+        "--prompt-token-ids",
+        type=_token_ids,
+        action="append",
+        help="a prompt as comma-separated token ids (repeatable; default: demo prompts)",
+    )
     run.add_argument("--max-tokens", type=int, default=16)
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--json", action="store_true", help="print one JSON object instead of text")

@@ -28,7 +28,9 @@ def compare_greedy(
     tie_tol: float = 1e-4,
     label: str = "",
 ) -> Comparison:
-    assert len(got_tokens) == len(ref_tokens), f"{label}: lengths {len(got_tokens)} vs {len(ref_tokens)}"
+    assert len(got_tokens) == len(ref_tokens), (
+        f"{label}: lengths {len(got_tokens)} vs {len(ref_tokens)}"
+    )
     for i, (want, got) in enumerate(zip(ref_tokens, got_tokens, strict=True)):
         if want != got:
             top2 = ref_logprobs[i].topk(2).values

@@ -23,10 +23,16 @@ def v2_lite(**overrides) -> dict:
 def test_preset_holds_the_real_deepseek_v2_lite_config():
     cfg = ModelConfig.from_model("deepseek-v2-lite")
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (
-        102400, 2048, 27, 16,
+        102400,
+        2048,
+        27,
+        16,
     )
     assert (cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim) == (
-        512, 64, 128, 128,
+        512,
+        64,
+        128,
+        128,
     )
     assert cfg.q_lora_rank is None and cfg.latent_width == 576
     assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (64, 6, 2)
@@ -49,8 +55,13 @@ def test_embedded_default_overrides():
 
 def test_transformers5_rope_parameters_and_hub_rope_scaling_agree():
     hub = ModelConfig.from_hf_dict(v2_lite())
-    raw = v2_lite(rope_parameters={"rope_type": "yarn", "rope_theta": 10000, **{
-        k: v for k, v in DEEPSEEK_V2_LITE["rope_scaling"].items() if k != "type"}})
+    raw = v2_lite(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000,
+            **{k: v for k, v in DEEPSEEK_V2_LITE["rope_scaling"].items() if k != "type"},
+        }
+    )
     del raw["rope_scaling"], raw["rope_theta"]
     assert ModelConfig.from_hf_dict(raw) == hub
 
@@ -59,15 +70,24 @@ def test_families_and_nested_text_config():
     v3_raw = v2_lite(model_type="deepseek_v3", q_lora_rank=1536, n_group=8, topk_group=4)
     del v3_raw["scoring_func"], v3_raw["topk_method"]  # silent config: the family's router
     v3 = ModelConfig.from_hf_dict(v3_raw)
-    assert v3.family == "deepseek_v3" and v3.scoring_func == "sigmoid" and v3.topk_method == "noaux_tc"
+    assert (
+        v3.family == "deepseek_v3" and v3.scoring_func == "sigmoid" and v3.topk_method == "noaux_tc"
+    )
     assert v3.q_lora_rank == 1536 and (v3.n_group, v3.topk_group) == (8, 4)
     kimi = ModelConfig.from_hf_dict(v2_lite(model_type="kimi_k2"))
     assert kimi.family == "deepseek_v3"
     wrapped = ModelConfig.from_hf_dict({"model_type": "kimi_k25", "text_config": v2_lite()})
     assert wrapped == ModelConfig.from_hf_dict(v2_lite())
-    glm = ModelConfig.from_hf_dict(v2_lite(
-        model_type="glm4_moe_lite", qk_nope_head_dim=192, v_head_dim=256, num_attention_heads=20,
-        num_key_value_heads=20, mlp_layer_types=["dense"] + ["sparse"] * 26))
+    glm = ModelConfig.from_hf_dict(
+        v2_lite(
+            model_type="glm4_moe_lite",
+            qk_nope_head_dim=192,
+            v_head_dim=256,
+            num_attention_heads=20,
+            num_key_value_heads=20,
+            mlp_layer_types=["dense"] + ["sparse"] * 26,
+        )
+    )
     assert glm.qk_head_dim == 256 and glm.v_head_dim == 256 and glm.latent_width == 576
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 import mlafx
 from mlafx.config import ConfigError

@@ -35,37 +35,74 @@ _COMMON = dict(
     eos_token_id=None,
 )
 _YARN = {
-    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-    "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
-    "mscale": 0.707, "mscale_all_dim": 0.707,
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
 }
 
 CONFIGS = {
     # DeepSeek-V2(-Lite) shape: no q LoRA, YaRN, softmax greedy routing.
     "v2_yarn": lambda: transformers.DeepseekV2Config(
-        **_COMMON, q_lora_rank=None, qk_nope_head_dim=16, v_head_dim=16,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        first_k_dense_replace=1, rope_parameters=_YARN,
+        **_COMMON,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        rope_parameters=_YARN,
     ),
     # DeepSeek-V2 full-size routing: group-limited greedy with a routed scale.
     "v2_group_limited": lambda: transformers.DeepseekV2Config(
-        **_COMMON, q_lora_rank=None, qk_nope_head_dim=16, v_head_dim=16,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, n_group=4, topk_group=2,
-        topk_method="group_limited_greedy", routed_scaling_factor=1.5,
-        first_k_dense_replace=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **_COMMON,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        n_group=4,
+        topk_group=2,
+        topk_method="group_limited_greedy",
+        routed_scaling_factor=1.5,
+        first_k_dense_replace=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
     # DeepSeek-V3 / Kimi K2 shape: q LoRA, sigmoid noaux_tc routing with groups, YaRN.
     "v3_noaux_tc": lambda: transformers.DeepseekV3Config(
-        **_COMMON, q_lora_rank=24, qk_nope_head_dim=16, v_head_dim=16,
-        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2,
-        norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=1,
+        **_COMMON,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
         rope_parameters=_YARN,
     ),
     # GLM-4.7-Flash shape: P != V, q LoRA, mlp_layer_types.
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
-        **_COMMON, q_lora_rank=16, qk_nope_head_dim=24, v_head_dim=32,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-        norm_topk_prob=True, routed_scaling_factor=1.8,
+        **_COMMON,
+        q_lora_rank=16,
+        qk_nope_head_dim=24,
+        v_head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
 }
@@ -90,8 +127,12 @@ def make_checkpoint(name: str, directory) -> torch.nn.Module:
 
 def reference_generate(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-        do_sample=False, output_logits=True, return_dict_in_generate=True,
+        torch.tensor([prompt]),
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
     )
     logprobs = torch.log_softmax(torch.stack(out.logits, dim=1)[0].float(), dim=-1)
     return out.sequences[0, len(prompt) :].tolist(), logprobs
@@ -107,7 +148,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(name, tmp_path):
         want, want_logprobs = reference_generate(reference, prompt)
         got = output.outputs[0].token_ids
         got_logprobs = [lp[t] for t, lp in zip(got, output.outputs[0].logprobs, strict=True)]
-        result = compare_greedy(want, want_logprobs, got, got_logprobs, label=f"{name} len={len(prompt)}")
+        result = compare_greedy(
+            want, want_logprobs, got, got_logprobs, label=f"{name} len={len(prompt)}"
+        )
         compared += result.compared
     # Ties may cut a comparison short, but most positions must have been compared.
     assert compared >= len(PROMPTS) * NEW_TOKENS // 2, f"only {compared} positions compared"

@@ -24,7 +24,9 @@ def checkpoint_with_tokenizer(tmp_path_factory):
     torch.manual_seed(0)
     config = transformers.DeepseekV2Config(
         **{k: v for k, v in TINY_OVERRIDES.items() if k != "first_k_dense_replace"},
-        q_lora_rank=None, first_k_dense_replace=1, max_position_embeddings=128,
+        q_lora_rank=None,
+        first_k_dense_replace=1,
+        max_position_embeddings=128,
     )
     transformers.DeepseekV2ForCausalLM(config).save_pretrained(directory)
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<bos>"))
@@ -34,7 +36,9 @@ def checkpoint_with_tokenizer(tmp_path_factory):
 
 
 def test_text_prompts_are_tokenized_and_outputs_decoded(checkpoint_with_tokenizer):
-    llm = mlafx.LLM(str(checkpoint_with_tokenizer), dtype="float32", num_kv_blocks=32, progress=False)
+    llm = mlafx.LLM(
+        str(checkpoint_with_tokenizer), dtype="float32", num_kv_blocks=32, progress=False
+    )
     params = mlafx.SamplingParams(max_tokens=5, ignore_eos=True)
     (by_text,) = llm.generate("w3 w4 w5", params)
     (by_ids,) = llm.generate([[5, 6, 7]], params)
@@ -44,9 +48,24 @@ def test_text_prompts_are_tokenized_and_outputs_decoded(checkpoint_with_tokenize
 
 
 def test_cli_run_json_with_a_checkpoint(checkpoint_with_tokenizer, capsys):
-    code = main(["run", "--model", str(checkpoint_with_tokenizer), "--dtype", "float32",
-                 "--prompt-token-ids", "5,6,7", "--prompt-token-ids", "9,10", "--max-tokens", "4",
-                 "--num-kv-blocks", "16", "--json"])
+    code = main(
+        [
+            "run",
+            "--model",
+            str(checkpoint_with_tokenizer),
+            "--dtype",
+            "float32",
+            "--prompt-token-ids",
+            "5,6,7",
+            "--prompt-token-ids",
+            "9,10",
+            "--max-tokens",
+            "4",
+            "--num-kv-blocks",
+            "16",
+            "--json",
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert [o["prompt_len"] for o in report["outputs"]] == [3, 2]
@@ -55,8 +74,17 @@ def test_cli_run_json_with_a_checkpoint(checkpoint_with_tokenizer, capsys):
 
 
 def test_cli_bad_input_is_a_clear_error(checkpoint_with_tokenizer, capsys):
-    code = main(["run", "--model", str(checkpoint_with_tokenizer), "--prompt-token-ids", "5,999",
-                 "--num-kv-blocks", "16"])
+    code = main(
+        [
+            "run",
+            "--model",
+            str(checkpoint_with_tokenizer),
+            "--prompt-token-ids",
+            "5,999",
+            "--num-kv-blocks",
+            "16",
+        ]
+    )
     assert code == 2
     assert "outside the vocabulary" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -71,7 +99,10 @@ def test_mlafx_run_with_no_arguments_serves_the_embedded_default():
     """The newcomer's first command (`make run`): a real subprocess, bf16, dummy weights."""
     result = subprocess.run(
         [sys.executable, "-m", "mlafx.cli", "run", "--max-tokens", "3", "--json"],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)

@@ -30,10 +30,21 @@ from mlafx.models import weights
 from mlafx.models.weights import WeightLoadError, init_dummy_weights, load_safetensors_weights
 
 _COMMON = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-    num_hidden_layers=2, num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
-    qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
-    n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=256,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    max_position_embeddings=256,
 )
 
 
@@ -73,17 +84,23 @@ def _assert_equal(got: nn.Module, want: nn.Module) -> None:
     got_sd = got.state_dict()
     assert got_sd.keys() == want_sd.keys()
     for key, value in want_sd.items():
-        torch.testing.assert_close(got_sd[key], value.to(got_sd[key].dtype), rtol=0, atol=0,
-                                   msg=key)
+        torch.testing.assert_close(
+            got_sd[key], value.to(got_sd[key].dtype), rtol=0, atol=0, msg=key
+        )
 
 
 def _load(model: nn.Module, path: Path) -> None:
-    load_safetensors_weights(model, path, num_hidden_layers=model.config.num_hidden_layers,
-                             progress=False)
+    load_safetensors_weights(
+        model, path, num_hidden_layers=model.config.num_hidden_layers, progress=False
+    )
 
 
-def _save_fused(model: nn.Module, path: Path, drop: tuple[str, ...] = (),
-                extra: dict[str, torch.Tensor] | None = None) -> None:
+def _save_fused(
+    model: nn.Module,
+    path: Path,
+    drop: tuple[str, ...] = (),
+    extra: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Write the model's own (fused-expert) state_dict as one model.safetensors."""
     path.mkdir(exist_ok=True)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in drop}
@@ -189,12 +206,15 @@ def test_skips_experts_beyond_the_targets(layout: str, tmp_path: Path) -> None:
 def test_reports_every_problem_and_leaves_the_model_untouched(tmp_path: Path) -> None:
     model = _v2()
     model.save_pretrained(tmp_path)
-    _rewrite(tmp_path, {
-        "model.norm.weight": None,
-        "model.layers.1.mlp.experts.2.up_proj.weight": None,
-        "model.layers.0.self_attn.q_proj.weight": torch.zeros(97, 64),
-        "model.layers.0.self_attn.surprise.weight": torch.zeros(3),
-    })
+    _rewrite(
+        tmp_path,
+        {
+            "model.norm.weight": None,
+            "model.layers.1.mlp.experts.2.up_proj.weight": None,
+            "model.layers.0.self_attn.q_proj.weight": torch.zeros(97, 64),
+            "model.layers.0.self_attn.surprise.weight": torch.zeros(3),
+        },
+    )
     fresh = _zeroed_like(model)
     with pytest.raises(WeightLoadError) as info:
         _load(fresh, tmp_path)
@@ -202,8 +222,9 @@ def test_reports_every_problem_and_leaves_the_model_untouched(tmp_path: Path) ->
     assert len(info.value.problems) == 4, message
     assert "model.norm.weight: missing" in message
     assert "model.layers.1.mlp.experts.2.up_proj.weight: missing" in message
-    assert ("model.layers.0.self_attn.q_proj.weight: checkpoint shape [97, 64] "
-            "!= expected [96, 64]") in message
+    assert (
+        "model.layers.0.self_attn.q_proj.weight: checkpoint shape [97, 64] != expected [96, 64]"
+    ) in message
     assert "model.layers.0.self_attn.surprise.weight: unexpected" in message
     assert all(not t.any() for t in fresh.state_dict().values())
 

@@ -6,16 +6,34 @@ import mlafx
 
 # The DeepSeek-V2-Lite preset shrunk to a few MB; eos 1 is inside the small vocabulary.
 TINY_OVERRIDES = {
-    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
-    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-    "first_k_dense_replace": 1, "bos_token_id": 0, "eos_token_id": 1,
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
 }
 
 
 def tiny_llm(**kwargs) -> mlafx.LLM:
-    options = dict(load_format="dummy", hf_overrides=TINY_OVERRIDES, dtype="float32",
-                   num_kv_blocks=128, block_size=4, progress=False)
+    options = dict(
+        load_format="dummy",
+        hf_overrides=TINY_OVERRIDES,
+        dtype="float32",
+        num_kv_blocks=128,
+        block_size=4,
+        progress=False,
+    )
     options.update(kwargs)
     return mlafx.LLM("deepseek-v2-lite", **options)

@@ -6,11 +6,17 @@ Baseline: ``cat`` + ``.to`` + ``index_copy_`` in eager PyTorch.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 import mlafx.kernels as K
 from bench.kernel_cases.row import Row, make_row
 from bench.roofline import Roofline, median_seconds
+
+
+def _eager_write(kv_c, k_pe, flat_cache, slots):
+    flat_cache.index_copy_(0, slots, torch.cat([kv_c, k_pe], -1).to(flat_cache.dtype))
 
 
 def run(roofline: Roofline, *, quick: bool, threads: list[int]) -> list[Row]:
@@ -26,12 +32,20 @@ def run(roofline: Roofline, *, quick: bool, threads: list[int]) -> list[Row]:
         flat = cache.view(-1, lkv + r)
         for t in threads:
             torch.set_num_threads(t)
-            ours = median_seconds(lambda: K.write_latent_cache(kv_c, k_pe, cache, slots))
-            naive = median_seconds(
-                lambda: flat.index_copy_(0, slots, torch.cat([kv_c, k_pe], -1).to(cache.dtype)))
+            ours = median_seconds(partial(K.write_latent_cache, kv_c, k_pe, cache, slots))
+            naive = median_seconds(partial(_eager_write, kv_c, k_pe, flat, slots))
             moved = num_tokens * (lkv + r) * (kv_c.element_size() + cache.element_size())
-            rows.append(make_row(
-                roofline, op="write_latent_cache", case=f"T={num_tokens} -> bf16 bs={block_size}",
-                dtype=in_dtype, threads=t, seconds=ours, num_bytes=moved, flops=0,
-                baselines_s={"eager": naive}))
+            rows.append(
+                make_row(
+                    roofline,
+                    op="write_latent_cache",
+                    case=f"T={num_tokens} -> bf16 bs={block_size}",
+                    dtype=in_dtype,
+                    threads=t,
+                    seconds=ours,
+                    num_bytes=moved,
+                    flops=0,
+                    baselines_s={"eager": naive},
+                )
+            )
     return rows

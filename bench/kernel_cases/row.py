@@ -30,18 +30,35 @@ class Row:
         return self.flops / (self.median_ms * 1e-3) / 1e9
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "gbps": self.gbps, "gflops": self.gflops, "speedups": {
-            name: ms / self.median_ms for name, ms in self.baselines_ms.items()}}
+        return {
+            **asdict(self),
+            "gbps": self.gbps,
+            "gflops": self.gflops,
+            "speedups": {name: ms / self.median_ms for name, ms in self.baselines_ms.items()},
+        }
 
 
 def make_row(
-    roofline: Roofline, *, op: str, case: str, dtype: torch.dtype, threads: int, seconds: float,
-    num_bytes: float, flops: float, baselines_s: dict[str, float] | None = None,
+    roofline: Roofline,
+    *,
+    op: str,
+    case: str,
+    dtype: torch.dtype,
+    threads: int,
+    seconds: float,
+    num_bytes: float,
+    flops: float,
+    baselines_s: dict[str, float] | None = None,
 ) -> Row:
     floor = roofline.time_floor(num_bytes, flops, dtype)
     return Row(
-        op=op, case=case, dtype=str(dtype).removeprefix("torch."), threads=threads,
-        median_ms=seconds * 1e3, num_bytes=num_bytes, flops=flops,
+        op=op,
+        case=case,
+        dtype=str(dtype).removeprefix("torch."),
+        threads=threads,
+        median_ms=seconds * 1e3,
+        num_bytes=num_bytes,
+        flops=flops,
         roofline_fraction=floor / seconds,
         baselines_ms={k: v * 1e3 for k, v in (baselines_s or {}).items()},
     )

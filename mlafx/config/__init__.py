@@ -5,7 +5,14 @@ from mlafx.config.model_config import ConfigError, ModelConfig, YarnScaling, yar
 from mlafx.config.presets import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES, PRESETS
 
 __all__ = [
-    "ConfigError", "EMBEDDED_DEFAULT_MODEL", "EMBEDDED_DEFAULT_OVERRIDES", "ModelConfig",
-    "PRESETS", "YarnScaling", "check_fits_in_memory", "kv_bytes_per_token", "weight_bytes",
+    "ConfigError",
+    "EMBEDDED_DEFAULT_MODEL",
+    "EMBEDDED_DEFAULT_OVERRIDES",
+    "ModelConfig",
+    "PRESETS",
+    "YarnScaling",
+    "check_fits_in_memory",
+    "kv_bytes_per_token",
+    "weight_bytes",
     "yarn_mscale",
 ]

@@ -13,7 +13,9 @@ def dtype_bytes(dtype: str) -> int:
     try:
         return _DTYPE_BYTES[dtype]
     except KeyError:
-        raise ConfigError(f"dtype {dtype!r} is not supported; use {', '.join(_DTYPE_BYTES)}") from None
+        raise ConfigError(
+            f"dtype {dtype!r} is not supported; use {', '.join(_DTYPE_BYTES)}"
+        ) from None
 
 
 def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:

@@ -48,14 +48,43 @@ TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 # Keys that may appear in config.json and that mlafx deliberately does not read (they
 # do not change the math of inference, or describe training). Overriding one is allowed.
 _IGNORED_KEYS = {
-    "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version", "use_cache",
-    "initializer_range", "pretraining_tp", "attention_dropout", "output_router_logits",
-    "aux_loss_alpha", "seq_aux", "router_aux_loss_coef", "pad_token_id", "qk_head_dim",
-    "head_dim", "num_nextn_predict_layers", "num_mtp_layers", "quantization_config",
-    "ep_size", "_name_or_path", "model_type", "tokenizer_class", "bos_token_id",
-    "eos_token_id", "name_or_path", "id2label", "label2id", "return_dict",
-    "output_hidden_states", "output_attentions", "chunk_size_feed_forward", "is_decoder",
-    "is_encoder_decoder", "tie_encoder_decoder", "problem_type", "num_labels",
+    "architectures",
+    "auto_map",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "use_cache",
+    "initializer_range",
+    "pretraining_tp",
+    "attention_dropout",
+    "output_router_logits",
+    "aux_loss_alpha",
+    "seq_aux",
+    "router_aux_loss_coef",
+    "pad_token_id",
+    "qk_head_dim",
+    "head_dim",
+    "num_nextn_predict_layers",
+    "num_mtp_layers",
+    "quantization_config",
+    "ep_size",
+    "_name_or_path",
+    "model_type",
+    "tokenizer_class",
+    "bos_token_id",
+    "eos_token_id",
+    "name_or_path",
+    "id2label",
+    "label2id",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "chunk_size_feed_forward",
+    "is_decoder",
+    "is_encoder_decoder",
+    "tie_encoder_decoder",
+    "problem_type",
+    "num_labels",
 }
 
 
@@ -79,7 +108,9 @@ class YarnScaling:
         if self.attention_factor is not None:
             return self.attention_factor
         if self.mscale and self.mscale_all_dim:
-            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(self.factor, self.mscale_all_dim)
+            return yarn_mscale(self.factor, self.mscale) / yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
         return yarn_mscale(self.factor)
 
 
@@ -195,7 +226,9 @@ def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
 def _apply_overrides(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(overrides, dict):
         raise ConfigError(f"hf_overrides must be a dict, got {type(overrides).__name__}")
-    known = set(cfg) | {f.name for f in dataclasses.fields(ModelConfig)} | _READ_KEYS | _IGNORED_KEYS
+    known = (
+        set(cfg) | {f.name for f in dataclasses.fields(ModelConfig)} | _READ_KEYS | _IGNORED_KEYS
+    )
     unknown = sorted(k for k in overrides if k not in known)
     if unknown:
         raise ConfigError(
@@ -207,9 +240,18 @@ def _apply_overrides(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 # config.json keys that _parse reads beyond the dataclass field names.
 _READ_KEYS = {
-    "rope_parameters", "rope_scaling", "first_k_dense_replace", "moe_layer_freq",
-    "num_key_value_heads", "hidden_act", "eos_token_id", "bos_token_id", "index_topk",
-    "num_experts_per_tok", "mlp_bias", "partial_rotary_factor",
+    "rope_parameters",
+    "rope_scaling",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "num_key_value_heads",
+    "hidden_act",
+    "eos_token_id",
+    "bos_token_id",
+    "index_topk",
+    "num_experts_per_tok",
+    "mlp_bias",
+    "partial_rotary_factor",
 }
 
 
@@ -310,13 +352,22 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
     dims = {
         k: _positive_int(cfg, k)
         for k in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-            "v_head_dim", "max_position_embeddings",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "max_position_embeddings",
         )
     }
     if dims["qk_rope_head_dim"] % 2:
-        raise ConfigError(f"config field 'qk_rope_head_dim' must be even, got {dims['qk_rope_head_dim']}")
+        raise ConfigError(
+            f"config field 'qk_rope_head_dim' must be even, got {dims['qk_rope_head_dim']}"
+        )
     q_lora_rank = cfg.get("q_lora_rank")
     if q_lora_rank is not None:
         q_lora_rank = _positive_int(cfg, "q_lora_rank")

@@ -59,7 +59,12 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         num_tokens, h = x.shape[0], cfg.num_attention_heads
-        lkv, r, p, v_dim = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+        lkv, r, p, v_dim = (
+            cfg.kv_lora_rank,
+            cfg.qk_rope_head_dim,
+            cfg.qk_nope_head_dim,
+            cfg.v_head_dim,
+        )
 
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)

@@ -22,7 +22,9 @@ def torch_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}") from None
+        raise ValueError(
+            f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}"
+        ) from None
 
 
 def build_model(

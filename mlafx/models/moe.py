@@ -44,7 +44,9 @@ class Router(nn.Module):
         else:
             if cfg.topk_method == "noaux_tc":
                 choice = scores + self.e_score_correction_bias
-                group_scores = choice.view(num_tokens, cfg.n_group, per_group).topk(2, -1)[0].sum(-1)
+                group_scores = (
+                    choice.view(num_tokens, cfg.n_group, per_group).topk(2, -1)[0].sum(-1)
+                )
                 masked = float("-inf")
             else:  # group_limited_greedy
                 choice = scores
@@ -73,7 +75,9 @@ class RoutedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        return routed_experts_reference(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj)
+        return routed_experts_reference(
+            x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj
+        )
 
 
 def routed_experts_reference(

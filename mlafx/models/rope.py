@@ -48,7 +48,9 @@ def rope_cos_sin(
     return angles.cos() * scale, angles.sin() * scale
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
+) -> torch.Tensor:
     """x [T, ..., R] -> rotated x, same shape and dtype (computed in float32).
 
     cos, sin: [T, R/2]; broadcast over the middle (head) axes of x.

@@ -36,7 +36,10 @@ class StepMetadata:
 
 def _flatten(meta: StepMetadata) -> tuple[list[torch.Tensor], None]:
     return [
-        meta.slot_mapping, meta.query_seq_ids, meta.block_table, meta.key_seq_ids,
+        meta.slot_mapping,
+        meta.query_seq_ids,
+        meta.block_table,
+        meta.key_seq_ids,
         meta.key_positions,
     ], None
 

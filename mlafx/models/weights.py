@@ -98,8 +98,9 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
-            raise WeightLoadError([f"shard file {s} listed in {index} does not exist"
-                                   for s in missing])
+            raise WeightLoadError(
+                [f"shard file {s} listed in {index} does not exist" for s in missing]
+            )
         return [model_dir / s for s in shards]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -119,8 +120,9 @@ def _per_expert(key: str, targets: dict[str, torch.Tensor]) -> tuple[str, int, s
     return fused, e, part
 
 
-def _place(key: str, file: Path, targets: dict[str, torch.Tensor],
-           alias: dict[str, str]) -> _Copy | None:
+def _place(
+    key: str, file: Path, targets: dict[str, torch.Tensor], alias: dict[str, str]
+) -> _Copy | None:
     """Where checkpoint tensor ``key`` goes; None if the model has no such tensor."""
     if key in targets:
         name, shape = alias[key], tuple(targets[key].shape)
@@ -149,8 +151,9 @@ def _fit(copy: _Copy, shape: tuple[int, ...]) -> _Copy | None:
     return None
 
 
-def _missing(targets: dict[str, torch.Tensor], alias: dict[str, str],
-             claimed: set[tuple[str, str]]) -> list[str]:
+def _missing(
+    targets: dict[str, torch.Tensor], alias: dict[str, str], claimed: set[tuple[str, str]]
+) -> list[str]:
     """A problem for each target tensor, or fused expert slice, that no checkpoint key fills."""
     names_of: dict[str, list[str]] = {}
     for name, canon in alias.items():
@@ -165,8 +168,9 @@ def _missing(targets: dict[str, torch.Tensor], alias: dict[str, str],
             else:
                 e, part = unit.split(".")
                 per_expert = f"{canon.rpartition('.')[0]}.{e}.{part}_proj.weight"
-                problems.append(f"{per_expert}: missing from the checkpoint "
-                                f"(expert {e} of {canon})")
+                problems.append(
+                    f"{per_expert}: missing from the checkpoint (expert {e} of {canon})"
+                )
     return problems
 
 
@@ -208,26 +212,37 @@ def _plan(model: nn.Module, files: list[Path], num_hidden_layers: int) -> list[_
                     copies.append(fitted)
                 else:
                     where = f" (a slice of {copy.target})" if copy.dst_index else ""
-                    problems.append(f"{key}: checkpoint shape {list(shape)} != expected "
-                                    f"{list(copy.shape)}{where}")
-    problems += [f"{key}: unexpected checkpoint key (no such tensor in the model)"
-                 for key in unexpected]
+                    problems.append(
+                        f"{key}: checkpoint shape {list(shape)} != expected "
+                        f"{list(copy.shape)}{where}"
+                    )
+    problems += [
+        f"{key}: unexpected checkpoint key (no such tensor in the model)" for key in unexpected
+    ]
     if any(key.endswith("weight_scale_inv") for key in unexpected):
-        problems.append("the checkpoint is block-quantised FP8 (*.weight_scale_inv): "
-                        "dequantise it to bf16 first")
+        problems.append(
+            "the checkpoint is block-quantised FP8 (*.weight_scale_inv): "
+            "dequantise it to bf16 first"
+        )
     problems += _missing(targets, alias, claimed)
     if problems:
         raise WeightLoadError(problems)
     truncated = sum(c.src_rows is not None for c in copies)
     if skipped_layers or skipped_experts or truncated:
-        logger.info("skipped %d tensors of layers >= %d and %d of experts beyond the model's; "
-                    "kept the first E rows of %d router/fused-expert tensors",
-                    skipped_layers, num_hidden_layers, skipped_experts, truncated)
+        logger.info(
+            "skipped %d tensors of layers >= %d and %d of experts beyond the model's; "
+            "kept the first E rows of %d router/fused-expert tensors",
+            skipped_layers,
+            num_hidden_layers,
+            skipped_experts,
+            truncated,
+        )
     return copies
 
 
-def load_safetensors_weights(model: nn.Module, model_dir: str | Path, *, num_hidden_layers: int,
-                             progress: bool = True) -> None:
+def load_safetensors_weights(
+    model: nn.Module, model_dir: str | Path, *, num_hidden_layers: int, progress: bool = True
+) -> None:
     """Copy a safetensors checkpoint into ``model``'s parameters and buffers, cast to their dtypes.
 
     Every header is checked before any tensor is read, so a mismatch raises ``WeightLoadError``
@@ -237,8 +252,13 @@ def load_safetensors_weights(model: nn.Module, model_dir: str | Path, *, num_hid
     model_dir = Path(model_dir)
     copies = _plan(model, _checkpoint_files(model_dir), num_hidden_layers)
     targets = model.state_dict(keep_vars=True)
-    bar = tqdm(total=len(copies), desc=f"loading {model_dir.name}", unit="tensor",
-               file=sys.stderr, disable=not progress)
+    bar = tqdm(
+        total=len(copies),
+        desc=f"loading {model_dir.name}",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not progress,
+    )
     with torch.no_grad(), bar:
         for file, group in itertools.groupby(copies, key=lambda c: c.file):
             with safe_open(str(file), framework="pt") as f:

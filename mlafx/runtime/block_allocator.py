@@ -16,7 +16,9 @@ class OutOfBlocksError(RuntimeError):
 class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
-            raise ValueError(f"the KV cache needs at least 2 blocks (block 0 is reserved), got {num_blocks}")
+            raise ValueError(
+                f"the KV cache needs at least 2 blocks (block 0 is reserved), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(1, num_blocks))
 

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from mlafx.config import ModelConfig, check_fits_in_memory, kv_bytes_per_token
-from mlafx.config.model_config import load_hf_config_dict
 from mlafx.config.presets import PRESETS
 from mlafx.models.loader import LoadFormat, build_model, torch_dtype
 from mlafx.runtime.block_allocator import BlockAllocator
@@ -87,7 +86,12 @@ class LLM:
         self.max_model_len = max_model_len
         self.seed = seed
         self.model = build_model(
-            cfg, dtype, load_format, None if model in PRESETS else model, seed=seed, progress=progress
+            cfg,
+            dtype,
+            load_format,
+            None if model in PRESETS else model,
+            seed=seed,
+            progress=progress,
         )
         self.tokenizer = None if model in PRESETS else load_tokenizer(model)
         # One cache tensor per layer: [num_blocks, block_size, Lkv + R], no head axis.
@@ -106,12 +110,20 @@ class LLM:
         self._request_counter = itertools.count()
         log.info(
             "mlafx engine: %s (%d layers) %s, %d KV blocks of %d tokens",
-            cfg.model_type, cfg.num_hidden_layers, dtype, num_blocks, block_size,
+            cfg.model_type,
+            cfg.num_hidden_layers,
+            dtype,
+            num_blocks,
+            block_size,
         )
 
     @staticmethod
     def _num_blocks(
-        cfg: ModelConfig, dtype: str, block_size: int, num_kv_blocks: int | None, kv_cache_memory: int | None
+        cfg: ModelConfig,
+        dtype: str,
+        block_size: int,
+        num_kv_blocks: int | None,
+        kv_cache_memory: int | None,
     ) -> int:
         if num_kv_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
@@ -122,8 +134,8 @@ class LLM:
             blocks = memory // (kv_bytes_per_token(cfg, dtype) * block_size)
         if blocks < 2:
             raise ValueError(
-                f"the KV cache holds {blocks} block(s) of {block_size} tokens; at least 2 are needed "
-                "(block 0 is reserved): raise num_kv_blocks or kv_cache_memory"
+                f"the KV cache holds {blocks} block(s) of {block_size} tokens; at least 2 are "
+                "needed (block 0 is reserved): raise num_kv_blocks or kv_cache_memory"
             )
         return int(blocks)
 
@@ -145,7 +157,10 @@ class LLM:
         if len(params) != len(prompt_list):
             raise ValueError(f"{len(params)} sampling params for {len(prompt_list)} prompts")
         # Validate everything before queueing anything: a bad prompt leaves the engine idle.
-        requests = [self._make_request(p, sp, i) for i, (p, sp) in enumerate(zip(prompt_list, params))]
+        requests = [
+            self._make_request(p, sp, i)
+            for i, (p, sp) in enumerate(zip(prompt_list, params, strict=True))
+        ]
         for request in requests:
             self.scheduler.add(request)
         try:
@@ -163,7 +178,11 @@ class LLM:
         inputs = build_step_inputs(batch, self.block_size)
         with torch.inference_mode():
             logits = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_caches,
+                inputs.meta,
+                inputs.logits_indices,
             )
         now = time.perf_counter()
         for seq, drawn in zip(batch, sample(logits, [s.request for s in batch]), strict=True):
@@ -186,7 +205,10 @@ class LLM:
             not params.ignore_eos and token in self.config.eos_token_ids
         ):
             return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if (
+            len(request.output_token_ids) >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             return "length"
         return None
 
@@ -215,13 +237,17 @@ class LLM:
         vocab = self.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt {index} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise ValueError(
+                f"prompt {index} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}"
+            )
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt {index} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
                 "no room to generate"
             )
-        needed = blocks_for_lifetime(len(ids), params.max_tokens, self.max_model_len, self.block_size)
+        needed = blocks_for_lifetime(
+            len(ids), params.max_tokens, self.max_model_len, self.block_size
+        )
         if needed > self.allocator.num_usable_blocks:
             raise ValueError(
                 f"prompt {index} needs {needed} KV blocks ({len(ids)} prompt + {params.max_tokens} "
@@ -231,7 +257,9 @@ class LLM:
         request_id = str(next(self._request_counter))
         generator = None
         if params.temperature > 0:
-            seed = params.seed if params.seed is not None else self.seed * 1_000_003 + int(request_id)
+            seed = (
+                params.seed if params.seed is not None else self.seed * 1_000_003 + int(request_id)
+            )
             generator = torch.Generator().manual_seed(seed)
         return Request(
             request_id=request_id,

@@ -28,7 +28,9 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[Sample]:
         top = None
         if params.logprobs is not None:
             k = min(params.logprobs, logprobs.shape[1])
-            values, ids = logprobs[row].topk(k) if k else (logprobs[row][:0], logprobs[row][:0].long())
+            values, ids = (
+                logprobs[row].topk(k) if k else (logprobs[row][:0], logprobs[row][:0].long())
+            )
             top = dict(zip(ids.tolist(), values.tolist(), strict=True))
             top[token] = logprobs[row, token].item()
         samples.append(Sample(token, logprobs[row, token].item(), top))

@@ -24,7 +24,9 @@ class ScheduledSequence:
     end: int
 
 
-def blocks_for_lifetime(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int) -> int:
+def blocks_for_lifetime(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int
+) -> int:
     """KV blocks a request can ever fill: every token but the last generated one is cached."""
     cached_tokens = min(num_prompt_tokens + max_tokens, max_model_len) - 1
     return -(-cached_tokens // block_size)

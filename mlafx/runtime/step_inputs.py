@@ -39,7 +39,9 @@ def build_step_inputs(batch: list[ScheduledSequence], block_size: int) -> StepIn
         logits_indices.append(len(input_ids) - 1)
     pos = torch.cat(positions)
     seq_ids = torch.cat(query_seq)
-    slot_mapping = block_table[seq_ids, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    slot_mapping = (
+        block_table[seq_ids, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    )
     meta = StepMetadata(
         slot_mapping=slot_mapping,
         query_seq_ids=seq_ids,
