@@ -85,12 +85,17 @@ class MLAttention(nn.Module):
         key = torch.cat([k_nope, key_pe[:, None, :].expand(num_keys, h, r)], dim=-1)
         query = torch.cat([q_nope, q_pe], dim=-1)
 
+        # Head-major copies laid out so that every matmul inside SDPA reads a contiguous
+        # operand (the key as K^T): views of strided operands would make export specialise
+        # on "T != 1" / "K != 1", and decode steps have T = 1.
+        key_t = key.permute(1, 2, 0).clone(memory_format=torch.contiguous_format)  # [H, P+R, K]
         out = F.scaled_dot_product_attention(
-            query.transpose(0, 1).unsqueeze(0),  # [1, H, T, P+R]
-            key.transpose(0, 1).unsqueeze(0),  # [1, H, K, P+R]
-            value.transpose(0, 1).unsqueeze(0),  # [1, H, K, V]
+            query.transpose(0, 1).clone(memory_format=torch.contiguous_format),  # [H, T, P+R]
+            key_t.transpose(1, 2),  # [H, K, P+R]
+            value.transpose(0, 1).clone(memory_format=torch.contiguous_format),  # [H, K, V]
             attn_mask=mask,
             scale=cfg.softmax_scale,
         )
-        out = out.squeeze(0).transpose(0, 1).reshape(num_tokens, h * v_dim)
+        out = out.transpose(0, 1).clone(memory_format=torch.contiguous_format)
+        out = out.view(num_tokens, h * v_dim)
         return self.o_proj(out)

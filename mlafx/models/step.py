@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree as pytree
 
 
 @dataclass(frozen=True)
@@ -34,24 +33,6 @@ class StepMetadata:
     key_positions: torch.Tensor
 
 
-def _flatten(meta: StepMetadata) -> tuple[list[torch.Tensor], None]:
-    return [
-        meta.slot_mapping,
-        meta.query_seq_ids,
-        meta.block_table,
-        meta.key_seq_ids,
-        meta.key_positions,
-    ], None
-
-
-def _unflatten(values: list[torch.Tensor], _context: None) -> StepMetadata:
-    return StepMetadata(*values)
-
-
-# A pytree node, so torch.export and torch.compile see the fields as separate inputs.
-pytree.register_pytree_node(
-    StepMetadata,
-    _flatten,
-    _unflatten,
-    serialized_type_name="mlafx.models.step.StepMetadata",
-)
+# A pytree node (fields in declaration order), so torch.export and torch.compile see each
+# field as a separate graph input.
+torch.export.register_dataclass(StepMetadata, serialized_type_name="mlafx.StepMetadata")
