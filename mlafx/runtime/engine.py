@@ -28,7 +28,7 @@ from mlafx.runtime.sampling_params import (
     SamplingParams,
 )
 from mlafx.runtime.scheduler import Scheduler, blocks_for_lifetime
-from mlafx.runtime.step_inputs import build_step_inputs
+from mlafx.runtime.step_inputs import step_inputs_for
 from mlafx.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class LLM:
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("scheduler made no progress (KV cache exhausted)")
-        inputs = build_step_inputs(batch, self.block_size)
+        inputs = step_inputs_for(batch, self.block_size)
         with torch.inference_mode():
             logits = self.model(
                 inputs.input_ids,
