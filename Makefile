@@ -17,7 +17,7 @@ BUILD_INPUTS := pyproject.toml setup.py mlafx/kernels/source_hash.py \
 	mlafx/kernels/csrc $(wildcard mlafx/kernels/csrc/*)
 LINT_PATHS := mlafx tests bench
 
-.PHONY: venv install build run test lint clean distclean
+.PHONY: venv install build system-deps run test lint clean distclean
 
 venv: $(STAMPS)/venv
 $(STAMPS)/venv:
@@ -36,7 +36,16 @@ $(STAMPS)/install: $(STAMPS)/venv $(BUILD_INPUTS)
 run: install
 	$(VENV)/bin/mlafx run
 
-test: install
+# Debian tools the tests use: graphviz draws `mlafx inspect --html` graphs, headless
+# chromium renders that report. Installed once (as root, like CI); skipped when present.
+system-deps: $(STAMPS)/system-deps
+$(STAMPS)/system-deps:
+	if ! command -v dot >/dev/null || ! command -v chromium >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz chromium; \
+	fi
+	mkdir -p $(STAMPS) && touch $@
+
+test: install system-deps
 	$(PY) -m pytest -q tests
 
 lint: install
@@ -45,9 +54,28 @@ lint: install
 
 # Build outputs and the install stamp; keeps .venv (see distclean).
 clean:
-	rm -rf build *.egg-info mlafx/*.so mlafx/kernels/_build_info.py \
+	rm -rf build build-sanitize *.egg-info mlafx/*.so mlafx/kernels/_build_info.py \
 		$(STAMPS)/install .pytest_cache .hypothesis .ruff_cache
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
 	rm -rf $(VENV) $(STAMPS)
+
+# Opt-in (not part of `make test`): the extension rebuilt with AddressSanitizer +
+# UndefinedBehaviorSanitizer in a copy of the tree under build-sanitize/, then the kernel tests
+# run against it. Python itself is not instrumented, so the ASan runtime is preloaded.
+SANITIZE_DIR := build-sanitize
+SANITIZE_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+.PHONY: sanitize
+sanitize: install
+	rm -rf $(SANITIZE_DIR) && mkdir -p $(SANITIZE_DIR)
+	cp -r setup.py pyproject.toml mlafx tests $(SANITIZE_DIR)/
+	rm -f $(SANITIZE_DIR)/mlafx/*.so
+	# CXXFLAGS: setuptools compiles .cpp with compiler_so_cxx, which reads CXXFLAGS, not CFLAGS.
+	cd $(SANITIZE_DIR) && CFLAGS="$(SANITIZE_FLAGS)" CXXFLAGS="$(SANITIZE_FLAGS)" \
+		LDFLAGS="-fsanitize=address,undefined" \
+		../$(PY) setup.py -q build_ext --inplace
+	cd $(SANITIZE_DIR) && PYTHONPATH=. ASAN_OPTIONS=detect_leaks=0:detect_odr_violation=0 \
+		UBSAN_OPTIONS=print_stacktrace=1 \
+		LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+		../$(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_*.py

@@ -26,6 +26,8 @@ from bench.kernel_cases.row import Row  # noqa: E402
 # The op families, in the order they run. Add a module here when you add one.
 CASE_MODULES: list[str] = [
     "bench.kernel_cases.latent_cache",
+    "bench.kernel_cases.moe_gemm",
+    "bench.kernel_cases.attention",
 ]
 
 

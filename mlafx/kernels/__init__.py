@@ -6,9 +6,18 @@ hint if it is missing or stale) and registers the ops' fake implementations.
 - ``extension.py``: loading, build checks, ``library_path()``, ``cpu_isa()``
 - ``ops.py``: typed wrappers and fakes; the schemas live in ``csrc/<family>.cpp``
 - ``reference.py``: slow Python references the tests compare against
+- ``attention_ops.py``, ``attention_reference.py``: the attention ops' wrappers/fakes, references
+- ``gemm_ops.py``, ``gemm_reference.py``: decode-shaped linear (packed weights), references
+- ``moe_ops.py``, ``moe_reference.py``: routed MoE experts, reference
 - ``csrc/``: C++ kernels (``*_avx512.cpp`` compiled with AVX-512 flags, chosen at run time)
 """
 
+from mlafx.kernels.attention_ops import (
+    gather_latent,
+    merge_attn_states,
+    mla_attention_paged,
+    varlen_attention,
+)
 from mlafx.kernels.extension import (
     ExtensionLoadError,
     cpu_isa,
@@ -16,13 +25,22 @@ from mlafx.kernels.extension import (
     load_extension,
     parallel_num_threads,
 )
+from mlafx.kernels.gemm_ops import linear_decode, pack_linear_weight
+from mlafx.kernels.moe_ops import moe_experts
 from mlafx.kernels.ops import write_latent_cache
 
 __all__ = [
     "ExtensionLoadError",
     "cpu_isa",
+    "gather_latent",
     "library_path",
+    "linear_decode",
     "load_extension",
+    "merge_attn_states",
+    "mla_attention_paged",
+    "moe_experts",
+    "pack_linear_weight",
     "parallel_num_threads",
+    "varlen_attention",
     "write_latent_cache",
 ]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -53,11 +55,17 @@ def verify_build() -> None:
     if CSRC_DIR.is_dir():
         current = csrc_sha256(CSRC_DIR)
         if current != info.CSRC_SHA256:
-            raise ExtensionLoadError(
+            message = (
                 f"The mlafx C++ extension is stale: {CSRC_DIR} changed since it was built "
                 f"(built from sha256 {info.CSRC_SHA256[:12]}, sources now {current[:12]}). "
-                + REBUILD_HINT
             )
+            # Developers mid-edit on C++ sources may keep running the last good build.
+            if os.environ.get("MLAFX_ALLOW_STALE_EXTENSION", "") not in ("", "0"):
+                warnings.warn(
+                    message + "Using it anyway (MLAFX_ALLOW_STALE_EXTENSION).", stacklevel=2
+                )
+                return
+            raise ExtensionLoadError(message + REBUILD_HINT)
 
 
 def library_path() -> Path:

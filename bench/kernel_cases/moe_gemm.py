@@ -1,0 +1,141 @@
+"""moe_experts and linear_decode: decode-shaped (bandwidth-bound) and prefill (compute-bound).
+
+Cases (bf16, the embedded default's widths: D=2048, I=1408, 4 experts, top-2):
+- moe_experts decode, 8 tokens: bytes = the weights of the experts the tokens touched
+  (3 * D * I * 2 B each); judged against the measured read bandwidth.
+- moe_experts prefill, 4096 tokens (512 with --quick): flops = 6 * D * I per (token, choice)
+  pair; judged against the measured bf16 matmul rate.
+- linear_decode: lm_head 8 x 2048 -> 102400, and the projections (q 2048->3072, kv_a
+  2048->576, kv_b 512->4096, o 2048->2048, shared experts 2048->5632 and 2816->2048) at 1
+  and 8 rows: bytes = the weight; judged against the read bandwidth.
+Weights are cold, as in a real decode step (~0.7 GB of weights per step, more than this
+CPU's L3): every call uses the next of several copies whose total exceeds 512 MB. With
+--quick there is one copy, so weights may be cache-hot: a smoke test, not a measurement.
+Baselines: the model's eager MoE (``routed_experts_reference``), ``F.linear``, and oneDNN's
+prepacked linear (``torch.ops.mkldnn._linear_pointwise`` on ``_reorder_linear_weight``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+import mlafx.kernels as K
+from bench.kernel_cases.row import Row, make_row
+from bench.roofline import Roofline, median_seconds
+from mlafx.models.moe import routed_experts_reference
+
+COLD_BYTES = 512 << 20  # the rotating copies of a weight together exceed the L3
+
+D, INTER, EXPERTS, TOP_K = 2048, 1408, 4, 2
+PROJECTIONS = [  # name, in_features, out_features
+    ("q_proj", 2048, 16 * 192),
+    ("kv_a_proj", 2048, 512 + 64),
+    ("kv_b_proj", 512, 16 * 256),
+    ("o_proj", 2048, 2048),
+    ("shared gate_up", 2048, 2 * 2816),
+    ("shared down", 2816, 2048),
+]
+
+
+def _copies(nbytes: int, quick: bool) -> int:
+    return 1 if quick else max(2, -(-COLD_BYTES // nbytes))
+
+
+def _rotating(fn, sets):
+    """A callable that runs fn on the next weight set each call."""
+    cycle = itertools.cycle(sets)
+    return lambda: fn(*next(cycle))
+
+
+def _moe_rows(roofline, quick, threads, num_tokens, gen) -> list[Row]:
+    dtype = torch.bfloat16
+    expert_bytes = 3 * D * INTER * dtype.itemsize
+    copies = _copies(EXPERTS * expert_bytes, quick)
+    sets = [
+        (
+            (torch.randn(EXPERTS, 2 * INTER, D, generator=gen) / D**0.5).to(dtype),
+            (torch.randn(EXPERTS, D, INTER, generator=gen) / INTER**0.5).to(dtype),
+        )
+        for _ in range(copies)
+    ]
+    x = torch.randn(num_tokens, D, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, TOP_K, generator=gen)
+    touched = int(ids.unique().numel())
+    rows = []
+    for t in threads:
+        torch.set_num_threads(t)
+        ours = median_seconds(_rotating(lambda a, b: K.moe_experts(x, ids, weights, a, b), sets))
+        eager = median_seconds(
+            _rotating(lambda a, b: routed_experts_reference(x, ids, weights, a, b), sets),
+            repeats=3 if num_tokens > 64 else 7,
+        )
+        rows.append(
+            make_row(
+                roofline,
+                op="moe_experts",
+                case=f"T={num_tokens} E={EXPERTS} top{TOP_K} ({touched} hit)",
+                dtype=dtype,
+                threads=t,
+                seconds=ours,
+                num_bytes=touched * expert_bytes,
+                flops=6 * D * INTER * num_tokens * TOP_K,
+                baselines_s={"eager": eager},
+            )
+        )
+    return rows
+
+
+def _linear_rows(roofline, quick, threads, name, in_f, out_f, batches, gen) -> list[Row]:
+    dtype = torch.bfloat16
+    nbytes = in_f * out_f * dtype.itemsize
+    copies = _copies(nbytes, quick)
+    weights = [
+        (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype) for _ in range(copies)
+    ]
+    packed = [(K.pack_linear_weight(w),) for w in weights]
+    rows = []
+    for m in batches:
+        x = torch.randn(m, in_f, generator=gen).to(dtype)
+        onednn = [(torch.ops.mkldnn._reorder_linear_weight(w, m),) for w in weights]
+        for t in threads:
+            torch.set_num_threads(t)
+            ours = median_seconds(_rotating(lambda p, x=x: K.linear_decode(x, p, out_f), packed))
+            eager = median_seconds(
+                _rotating(lambda w, x=x: F.linear(x, w), [(w,) for w in weights])
+            )
+            prepacked = median_seconds(
+                _rotating(
+                    lambda w, x=x: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                    onednn,
+                )
+            )
+            rows.append(
+                make_row(
+                    roofline,
+                    op="linear_decode",
+                    case=f"{name} {m}x{in_f}->{out_f}",
+                    dtype=dtype,
+                    threads=t,
+                    seconds=ours,
+                    num_bytes=nbytes,
+                    flops=2 * m * in_f * out_f,
+                    baselines_s={"F.linear": eager, "onednn-packed": prepacked},
+                )
+            )
+        del onednn
+    return rows
+
+
+def run(roofline: Roofline, *, quick: bool, threads: list[int]) -> list[Row]:
+    gen = torch.Generator().manual_seed(0)
+    rows = _moe_rows(roofline, quick, threads, 8, gen)
+    rows += _moe_rows(roofline, quick, threads, 512 if quick else 4096, gen)
+    rows += _linear_rows(roofline, quick, threads, "lm_head", 2048, 102400, [8], gen)
+    projections = PROJECTIONS[:2] if quick else PROJECTIONS
+    for name, in_f, out_f in projections:
+        rows += _linear_rows(roofline, quick, threads, name, in_f, out_f, [1, 8], gen)
+    return rows

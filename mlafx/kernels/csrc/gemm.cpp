@@ -1,0 +1,292 @@
+// linear_decode: y = x @ W^T for a few rows of x (decode-shaped GEMMs: lm_head, attention
+// projections, shared experts, dense MLPs), streaming W once at memory bandwidth; and
+// pack_linear_weight, which puts W once, at load time, into the layout that kernel reads.
+//
+//   pack_linear_weight(weight [N, K]) -> packed [ceil(N/16), ceil(K/2), 32]   (same dtype)
+//       packed[b, p, 2*i + j] = weight[16*b + i, 2*p + j], zero where that is out of range
+//   linear_decode(x [M, K], packed, out_features = N) -> out [M, N]   (x's dtype)
+//       x last-dim contiguous (rows may be strided); fp32 accumulation, one rounding at the end
+//
+// Why a packed layout, and not oneDNN or the row-major weight (bench/kernel_cases/moe_gemm.py;
+// 2 threads, cold weights, quiet machine, read bandwidth 18.6 GB/s, bf16):
+//   lm_head 8 x 2048 -> 102400:    16.1 GB/s (86%); F.linear 1.3x and oneDNN's prepacked
+//                                   linear (mkldnn::_linear_pointwise) 1.5x slower
+//   projections, 1 row:            94-105%;        F.linear 1.4-2.4x, oneDNN 2.0-2.8x slower
+//   projections, 8 rows:           58-92%;         F.linear 1.3-1.9x, oneDNN 1.3-1.6x slower
+// With lanes along the 16 rows of a block, each column pair of x is broadcast once per
+// 16 * (blocks per tile) weight rows and no horizontal sums are needed. With lanes along K
+// on the row-major weight (rows_dot, which moe_experts must use) every row of x is re-read
+// per 2..8 weight rows: at 8 rows of x that traffic exceeds the weights' own, and it
+// measured ~80 vs ~120 GFLOP/s per core.
+// Any M works, but past ~32 rows the product is compute-bound and this kernel (~100-120
+// GFLOP/s per core) is far from ATen's matmul (oneDNN, ~650-750 GFLOP/s on 2 threads): a
+// prefill linear should keep the unpacked weight and ATen's matmul, a decode linear the
+// packed copy; keeping both doubles those weights' memory (a choice for the compiler).
+//
+// Python references: mlafx/kernels/gemm_reference.py.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_features.h"
+#include "gemm.h"
+#include "gemm_aten.h"
+#include "latent_cache.h"  // avx512::convert_fp32_to_bf16 (RNE, bit-exact with c10)
+
+namespace mlafx {
+namespace {
+
+// ---- Scalar references --------------------------------------------------------------------
+
+// 16 explicit partial sums along K: a loop the compiler can vectorise without reassociating
+// floating-point adds.
+template <typename scalar_t>
+void rows_dot_scalar(const scalar_t* x, int64_t ldx, int64_t M, const scalar_t* w, int64_t ldw,
+                     int64_t K, int64_t n_begin, int64_t n_end, float* out, int64_t ldo) {
+  constexpr int kLanes = 16;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const scalar_t* w_row = w + n * ldw;
+    for (int64_t m = 0; m < M; ++m) {
+      const scalar_t* x_row = x + m * ldx;
+      float lanes[kLanes] = {};
+      int64_t k = 0;
+      for (; k + kLanes <= K; k += kLanes) {
+        for (int l = 0; l < kLanes; ++l) {
+          lanes[l] += static_cast<float>(x_row[k + l]) * static_cast<float>(w_row[k + l]);
+        }
+      }
+      for (int l = 0; k < K; ++k, ++l) {
+        lanes[l] += static_cast<float>(x_row[k]) * static_cast<float>(w_row[k]);
+      }
+      float sum = 0.0f;
+      for (int l = 0; l < kLanes; ++l) {
+        sum += lanes[l];
+      }
+      out[m * ldo + (n - n_begin)] = sum;
+    }
+  }
+}
+
+// Lanes along the 16 rows of a block, as in the AVX-512 kernel.
+template <typename scalar_t>
+void packed_dot_scalar(const scalar_t* x, int64_t ldx, int64_t M, const scalar_t* wp, int64_t K,
+                       int64_t block_begin, int64_t block_end, float* out, int64_t ldo) {
+  const int64_t K2 = (K + 1) / 2;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const scalar_t* block = wp + b * K2 * 2 * kPackedBlockRows;
+    for (int64_t m = 0; m < M; ++m) {
+      const scalar_t* x_row = x + m * ldx;
+      float acc[kPackedBlockRows] = {};
+      for (int64_t p = 0; p < K2; ++p) {
+        const float x_even = static_cast<float>(x_row[2 * p]);
+        const float x_odd = 2 * p + 1 < K ? static_cast<float>(x_row[2 * p + 1]) : 0.0f;
+        const scalar_t* pairs = block + p * 2 * kPackedBlockRows;
+        for (int i = 0; i < kPackedBlockRows; ++i) {
+          acc[i] += static_cast<float>(pairs[2 * i]) * x_even;
+          acc[i] += static_cast<float>(pairs[2 * i + 1]) * x_odd;
+        }
+      }
+      float* dst = out + m * ldo + (b - block_begin) * kPackedBlockRows;
+      for (int i = 0; i < kPackedBlockRows; ++i) {
+        dst[i] = acc[i];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void rows_dot(FloatKind kind, const void* x, int64_t ldx, int64_t M, const void* w, int64_t ldw,
+              int64_t K, int64_t n_begin, int64_t n_end, float* out, int64_t ldo) {
+  switch (kind) {
+    case FloatKind::kBFloat16:
+      if (use_avx512_bf16()) {
+        avx512::rows_dot_bf16(static_cast<const uint16_t*>(x), ldx, M,
+                              static_cast<const uint16_t*>(w), ldw, K, n_begin, n_end, out, ldo);
+      } else {
+        rows_dot_scalar(static_cast<const c10::BFloat16*>(x), ldx, M,
+                        static_cast<const c10::BFloat16*>(w), ldw, K, n_begin, n_end, out, ldo);
+      }
+      return;
+    case FloatKind::kHalf:
+      rows_dot_scalar(static_cast<const c10::Half*>(x), ldx, M, static_cast<const c10::Half*>(w),
+                      ldw, K, n_begin, n_end, out, ldo);
+      return;
+    case FloatKind::kFloat:
+      rows_dot_scalar(static_cast<const float*>(x), ldx, M, static_cast<const float*>(w), ldw, K,
+                      n_begin, n_end, out, ldo);
+      return;
+  }
+}
+
+void packed_dot(FloatKind kind, const void* x, int64_t ldx, int64_t M, const void* wp, int64_t K,
+                int64_t block_begin, int64_t block_end, float* out, int64_t ldo) {
+  switch (kind) {
+    case FloatKind::kBFloat16:
+      if (use_avx512_bf16()) {
+        avx512::packed_dot_bf16(static_cast<const uint16_t*>(x), ldx, M,
+                                static_cast<const uint16_t*>(wp), K, block_begin, block_end, out,
+                                ldo);
+      } else {
+        packed_dot_scalar(static_cast<const c10::BFloat16*>(x), ldx, M,
+                          static_cast<const c10::BFloat16*>(wp), K, block_begin, block_end, out,
+                          ldo);
+      }
+      return;
+    case FloatKind::kHalf:
+      packed_dot_scalar(static_cast<const c10::Half*>(x), ldx, M,
+                        static_cast<const c10::Half*>(wp), K, block_begin, block_end, out, ldo);
+      return;
+    case FloatKind::kFloat:
+      packed_dot_scalar(static_cast<const float*>(x), ldx, M, static_cast<const float*>(wp), K,
+                        block_begin, block_end, out, ldo);
+      return;
+  }
+}
+
+FloatKind float_kind(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16:
+      return FloatKind::kBFloat16;
+    case at::kHalf:
+      return FloatKind::kHalf;
+    case at::kFloat:
+      return FloatKind::kFloat;
+    default:
+      TORCH_CHECK_TYPE(false, "mlafx: unsupported dtype ", dtype,
+                       " (expected bfloat16, float16 or float32)");
+  }
+}
+
+bool is_supported_float(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+}
+
+namespace {
+
+// ---- at::Tensor entries -------------------------------------------------------------------
+
+at::Tensor pack_linear_weight(const at::Tensor& weight  // [N, K]
+) {
+  TORCH_CHECK(weight.device().is_cpu(), "pack_linear_weight: weight must be on the CPU, got ",
+              weight.device());
+  TORCH_CHECK_TYPE(is_supported_float(weight.scalar_type()),
+                   "pack_linear_weight: weight must be bfloat16, float16 or float32, got ",
+                   weight.scalar_type());
+  TORCH_CHECK_VALUE(weight.dim() == 2,
+                    "pack_linear_weight: weight must be [out_features, in_features], got shape ",
+                    weight.sizes());
+  const int64_t N = weight.size(0);
+  const int64_t K = weight.size(1);
+  const int64_t blocks = (N + kPackedBlockRows - 1) / kPackedBlockRows;
+  const int64_t K2 = (K + 1) / 2;
+  // Runs once per weight at load time: plain ATen ops, obviously right, not fast.
+  at::Tensor padded = at::zeros({blocks * kPackedBlockRows, 2 * K2}, weight.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(weight);
+  return padded.view({blocks, kPackedBlockRows, K2, 2})
+      .permute({0, 2, 1, 3})
+      .contiguous()
+      .view({blocks, K2, 2 * kPackedBlockRows});
+}
+
+// Output rows computed per step of a thread: the fp32 scratch ([M, 256]) stays in L1/L2 and is
+// rounded into the output right away, so no fp32 copy of the whole output is made.
+constexpr int64_t kBlocksPerStep = 16;
+
+at::Tensor linear_decode(const at::Tensor& x,       // [M, K]
+                         const at::Tensor& packed,  // [ceil(N/16), ceil(K/2), 32]
+                         int64_t out_features       // N
+) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(),
+              "linear_decode: x and packed_weight must be on the CPU, got ", x.device(), " and ",
+              packed.device());
+  TORCH_CHECK_TYPE(is_supported_float(x.scalar_type()),
+                   "linear_decode: x must be bfloat16, float16 or float32, got ",
+                   x.scalar_type());
+  TORCH_CHECK_TYPE(packed.scalar_type() == x.scalar_type(), "linear_decode: packed_weight dtype ",
+                   packed.scalar_type(), " must equal x's dtype ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2, "linear_decode: x must be [num_rows, in_features], got shape ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == 2 * kPackedBlockRows,
+                    "linear_decode: packed_weight must come from pack_linear_weight "
+                    "([ceil(N/16), ceil(K/2), 32]), got shape ",
+                    packed.sizes());
+  TORCH_CHECK_VALUE(packed.is_contiguous(), "linear_decode: packed_weight must be contiguous");
+  const int64_t M = x.size(0);
+  const int64_t K = x.size(1);
+  const int64_t N = out_features;
+  const int64_t blocks = packed.size(0);
+  TORCH_CHECK_VALUE(N >= 0 && (N + kPackedBlockRows - 1) / kPackedBlockRows == blocks,
+                    "linear_decode: out_features = ", N, " does not match packed_weight's ",
+                    blocks, " blocks of ", kPackedBlockRows, " rows");
+  TORCH_CHECK_VALUE((K + 1) / 2 == packed.size(1), "linear_decode: x has ", K,
+                    " features but packed_weight was packed for ", 2 * packed.size(1) - 1, " or ",
+                    2 * packed.size(1));
+  TORCH_CHECK_VALUE(K <= 1 || x.stride(1) == 1,
+                    "linear_decode: x's last dim must be contiguous, got strides ", x.strides());
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) {
+    return out;
+  }
+  const FloatKind kind = float_kind(x.scalar_type());
+  const void* x_data = x.const_data_ptr();
+  const void* w_data = packed.const_data_ptr();
+  const int64_t ldx = x.stride(0);
+  // Each thread takes one contiguous range of blocks, at least ~64 KB of weight: waking a
+  // thread costs microseconds, streaming 64 KB about as long.
+  const int64_t block_bytes = std::max<int64_t>(packed.size(1), 1) * 2 * kPackedBlockRows *
+                              static_cast<int64_t>(x.element_size());
+  const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / block_bytes);
+  constexpr int64_t step_rows = kBlocksPerStep * kPackedBlockRows;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_decode", [&] {
+    scalar_t* out_data = out.data_ptr<scalar_t>();
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(static_cast<size_t>(M * step_rows));
+      for (int64_t b0 = begin; b0 < end; b0 += kBlocksPerStep) {
+        const int64_t b1 = std::min(end, b0 + kBlocksPerStep);
+        packed_dot(kind, x_data, ldx, M, w_data, K, b0, b1, scratch.data(), step_rows);
+        const int64_t n0 = b0 * kPackedBlockRows;
+        const int64_t n1 = std::min(N, b1 * kPackedBlockRows);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* src = scratch.data() + m * step_rows - n0;
+          scalar_t* dst = out_data + m * N;
+          // With short rows (kv_b_proj: K = 512) a scalar rounding loop took ~10% of the time.
+          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+            if (use_avx512_bf16()) {
+              avx512::convert_fp32_to_bf16(src + n0, reinterpret_cast<uint16_t*>(dst + n0),
+                                           n1 - n0);
+              continue;
+            }
+          }
+          for (int64_t n = n0; n < n1; ++n) {
+            dst[n] = static_cast<scalar_t>(src[n]);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace mlafx
+
+TORCH_LIBRARY_FRAGMENT(mlafx, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("linear_decode(Tensor x, Tensor packed_weight, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mlafx, CPU, m) {
+  m.impl("pack_linear_weight", &mlafx::pack_linear_weight);
+  m.impl("linear_decode", &mlafx::linear_decode);
+}

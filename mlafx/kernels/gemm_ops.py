@@ -1,0 +1,59 @@
+"""Typed wrappers and fakes of the decode-shaped linear ops (schemas: ``csrc/gemm.cpp``).
+
+The weight of a linear is packed once, at load time, with :func:`pack_linear_weight` and kept
+as a named weight; :func:`linear_decode` then streams it at memory bandwidth for a few rows
+of x (decode: lm_head, projections, shared experts). References: ``gemm_reference.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlafx.kernels.extension import load_extension
+
+load_extension()  # the schemas must be registered before fakes can attach to them
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PACKED_BLOCK_ROWS = 16
+
+
+@torch.library.register_fake("mlafx::pack_linear_weight")
+def _pack_linear_weight_fake(weight: torch.Tensor) -> torch.Tensor:
+    torch._check(weight.dtype in _FLOAT_DTYPES, lambda: f"weight dtype {weight.dtype} unsupported")
+    torch._check(weight.dim() == 2, lambda: f"weight must be 2-D, got {tuple(weight.shape)}")
+    n, k = weight.shape
+    blocks = (n + PACKED_BLOCK_ROWS - 1) // PACKED_BLOCK_ROWS
+    return weight.new_empty((blocks, (k + 1) // 2, 2 * PACKED_BLOCK_ROWS))
+
+
+@torch.library.register_fake("mlafx::linear_decode")
+def _linear_decode_fake(
+    x: torch.Tensor, packed_weight: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    torch._check(x.dtype in _FLOAT_DTYPES, lambda: f"x dtype {x.dtype} unsupported")
+    torch._check(
+        packed_weight.dtype == x.dtype,
+        lambda: f"packed_weight dtype {packed_weight.dtype} must equal x's {x.dtype}",
+    )
+    torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {tuple(x.shape)}")
+    torch._check(packed_weight.dim() == 3 and packed_weight.shape[2] == 2 * PACKED_BLOCK_ROWS)
+    torch._check((x.shape[1] + 1) // 2 == packed_weight.shape[1])
+    torch._check(
+        (out_features + PACKED_BLOCK_ROWS - 1) // PACKED_BLOCK_ROWS == packed_weight.shape[0]
+    )
+    return x.new_empty((x.shape[0], out_features))
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (an ``nn.Linear`` weight) -> packed [ceil(N/16), ceil(K/2), 32], same
+    dtype: blocks of 16 rows, each column pair of the 16 rows side by side, zero-padded."""
+    return torch.ops.mlafx.pack_linear_weight(weight)
+
+
+def linear_decode(
+    x: torch.Tensor,  # [M, K], M <= 32 or so (any M works; larger M is compute-bound)
+    packed_weight: torch.Tensor,  # from pack_linear_weight(weight [N, K])
+    out_features: int,  # N
+) -> torch.Tensor:
+    """``x @ weight^T`` -> [M, N] in x's dtype (fp32 accumulation, one rounding)."""
+    return torch.ops.mlafx.linear_decode(x, packed_weight, out_features)

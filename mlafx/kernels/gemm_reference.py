@@ -1,0 +1,35 @@
+"""Slow, obviously correct references for ``mlafx::pack_linear_weight`` and
+``mlafx::linear_decode`` (tests compare the C++ kernels with these)."""
+
+from __future__ import annotations
+
+import torch
+
+PACKED_BLOCK_ROWS = 16  # rows of the weight per block of the packed layout
+
+
+def pack_linear_weight_ref(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> packed [ceil(N/16), ceil(K/2), 32] with
+    ``packed[b, p, 2*i + j] = weight[16*b + i, 2*p + j]`` (0 where out of range)."""
+    n, k = weight.shape
+    blocks, pairs = -(-n // PACKED_BLOCK_ROWS), -(-k // 2)
+    packed = torch.zeros(blocks, pairs, 2 * PACKED_BLOCK_ROWS, dtype=weight.dtype)
+    for row in range(n):
+        b, i = divmod(row, PACKED_BLOCK_ROWS)
+        for col in range(k):
+            p, j = divmod(col, 2)
+            packed[b, p, 2 * i + j] = weight[row, col]
+    return packed
+
+
+def unpack_linear_weight_ref(packed: torch.Tensor, out_features: int, in_features: int):
+    """The inverse of :func:`pack_linear_weight_ref`: packed -> weight [N, K]."""
+    blocks, pairs, width = packed.shape
+    rows = packed.view(blocks, pairs, width // 2, 2).permute(0, 2, 1, 3)
+    return rows.reshape(blocks * PACKED_BLOCK_ROWS, 2 * pairs)[:out_features, :in_features]
+
+
+def linear_decode_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, products summed in float64 and
+    rounded once (the kernel sums in fp32: tests allow for that)."""
+    return (x.double() @ weight.double().t()).to(x.dtype)

@@ -1,0 +1,205 @@
+"""mlafx::pack_linear_weight and mlafx::linear_decode against their references.
+
+Packing is a permutation with zero padding: compared byte for byte. linear_decode sums in
+fp32 and rounds once to x's dtype, so each output may differ from the float64 product by
+half an ulp of the output dtype (u) plus the fp32 summation error; the bound used is
+``u * |ref| + (K + 2) * 2**-24 * (|x| @ |W|^T) * (1 + u)``, tight enough that a dropped
+column pair or a row off by one fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlafx.kernels import linear_decode, pack_linear_weight
+from mlafx.kernels.gemm_reference import (
+    linear_decode_ref,
+    pack_linear_weight_ref,
+    unpack_linear_weight_ref,
+)
+
+FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+def _assert_within_bound(out, x, weight):
+    ref = linear_decode_ref(x, weight)
+    assert out.dtype == x.dtype and out.shape == ref.shape and out.is_contiguous()
+    u = UNIT_ROUNDOFF[x.dtype]
+    magnitude = x.double().abs() @ weight.double().abs().t()
+    exact = x.double() @ weight.double().t()
+    bound = u * exact.abs() + (x.shape[1] + 2) * 2.0**-24 * magnitude * (1 + u) + 1e-300
+    err = (out.double() - exact).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
+
+
+def _rows(M, K, dtype, gen, layout):
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    if layout == "strided":
+        wide = torch.zeros(M, K + 7, dtype=dtype)
+        wide[:, 2 : 2 + K] = x
+        x = wide[:, 2 : 2 + K]
+    return x
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(("N", "K"), [(1, 1), (16, 2), (17, 3), (33, 64 + 13)])
+def test_pack_matches_reference_bytes(N, K, dtype):
+    weight = torch.randn(N, K).to(dtype)
+    packed = pack_linear_weight(weight)
+    expected = pack_linear_weight_ref(weight)
+    assert packed.shape == expected.shape and packed.dtype == dtype and packed.is_contiguous()
+    assert torch.equal(packed.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(unpack_linear_weight_ref(packed, N, K), weight)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    M=st.sampled_from([0, 1, 2, 5, 8, 9, 17, 32, 33]),
+    K=st.sampled_from([1, 2, 3, 31, 64 + 13, 256]),
+    N=st.sampled_from([1, 15, 16, 17, 100]),
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    layout=st.sampled_from(["contiguous", "strided"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_reference(M, K, N, dtype, layout, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = _rows(M, K, dtype, gen, layout)
+    weight = torch.randn(N, K, generator=gen).to(dtype)
+    _assert_within_bound(linear_decode(x, pack_linear_weight(weight), N), x, weight)
+
+
+@pytest.mark.parametrize(("N", "K"), [(576, 2048), (2048, 1408), (3072 + 5, 512)])
+@pytest.mark.parametrize("M", [1, 8])
+def test_model_shapes_bf16(M, N, K):
+    # The embedded default's projection widths (kv_a, down, q-like): every thread's share
+    # and the 256-row steps inside it are exercised with real K.
+    gen = torch.Generator().manual_seed(N + K + M)
+    x = torch.randn(M, K, generator=gen).bfloat16()
+    weight = (torch.randn(N, K, generator=gen) / K**0.5).bfloat16()
+    _assert_within_bound(linear_decode(x, pack_linear_weight(weight), N), x, weight)
+
+
+def test_nan_propagates_to_its_row_only():
+    x = torch.randn(3, 40).bfloat16()
+    x[1, 7] = float("nan")
+    out = linear_decode(x, pack_linear_weight(torch.randn(20, 40).bfloat16()), 20)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
+
+
+@pytest.mark.parametrize(
+    ("M", "dtype"), [(0, torch.float32), (3, torch.bfloat16), (9, torch.float16)]
+)
+def test_opcheck(M, dtype):
+    x = torch.randn(M, 45).to(dtype)
+    weight = torch.randn(21, 45).to(dtype)
+    torch.library.opcheck(torch.ops.mlafx.pack_linear_weight.default, (weight,))
+    packed = pack_linear_weight(weight)
+    torch.library.opcheck(torch.ops.mlafx.linear_decode.default, (x, packed, 21))
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features = weight.shape[0]
+        # Packed once at load time; the module keeps only the packed weight.
+        self.register_buffer("packed_weight", pack_linear_weight(weight))
+
+    def forward(self, x):
+        return linear_decode(x + 1, self.packed_weight, self.out_features)
+
+
+def test_torch_compile_fullgraph():
+    weight = torch.randn(40, 24)
+    x = torch.randn(5, 24)
+    compiled = torch.compile(_Linear(weight), fullgraph=True, backend="inductor")
+    _assert_within_bound(compiled(x), x + 1, weight)
+
+
+def test_torch_export_dynamic_rows():
+    weight = torch.randn(40, 24).bfloat16()
+    program = torch.export.export(
+        _Linear(weight),
+        (torch.randn(5, 24).bfloat16(),),
+        dynamic_shapes=({0: torch.export.Dim("rows")},),
+    )
+    assert "torch.ops.mlafx.linear_decode.default" in str(program.graph_module.code)
+    x = torch.randn(8, 24).bfloat16()
+    _assert_within_bound(program.module()(x), x + 1, weight)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ("x_float64", TypeError, "x must be bfloat16, float16 or float32"),
+        ("dtype_mismatch", TypeError, "must equal x's dtype"),
+        ("x_1d", ValueError, r"x must be \[num_rows, in_features\]"),
+        ("not_packed", ValueError, "must come from pack_linear_weight"),
+        ("out_features", ValueError, "out_features = 40 does not match"),
+        ("in_features", ValueError, "x has 30 features"),
+        ("x_last_dim_strided", ValueError, "x's last dim must be contiguous"),
+    ],
+)
+def test_invalid_inputs_raise(change, error, match):
+    weight = torch.randn(20, 24)
+    packed = pack_linear_weight(weight)
+    x, n = torch.randn(3, 24), 20
+    if change == "x_float64":
+        x = x.double()
+    elif change == "dtype_mismatch":
+        x = x.bfloat16()
+    elif change == "x_1d":
+        x = x[0]
+    elif change == "not_packed":
+        packed = weight
+    elif change == "out_features":
+        n = 40
+    elif change == "in_features":
+        x = torch.randn(3, 30)
+    elif change == "x_last_dim_strided":
+        x = torch.randn(3, 48)[:, ::2]
+    with pytest.raises(error, match=match):
+        linear_decode(x, packed, n)
+
+
+def test_pack_rejects_bad_weights():
+    with pytest.raises(ValueError, match="weight must be"):
+        pack_linear_weight(torch.randn(2, 3, 4))
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        pack_linear_weight(torch.randn(2, 3).double())
+
+
+_PORTABLE_PROBE = """
+import torch
+from mlafx.kernels import cpu_isa, linear_decode, pack_linear_weight
+
+assert cpu_isa() == "portable", cpu_isa()
+gen = torch.Generator().manual_seed(0)
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for M, K, N in ((1, 77, 33), (9, 64 + 13, 100), (33, 31, 17)):
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        w = torch.randn(N, K, generator=gen).to(dtype)
+        torch.save((x, w, linear_decode(x, pack_linear_weight(w), N)), f"{{}}/{dtype}-{M}.pt")
+print("ok")
+"""
+
+
+def test_portable_path_matches_reference(tmp_path):
+    env = {**os.environ, "MLAFX_DISABLE_AVX512": "1"}
+    probe = _PORTABLE_PROBE.replace("{{}}", str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    files = sorted(tmp_path.glob("*.pt"))
+    assert len(files) == 9
+    for path in files:
+        x, w, out = torch.load(path)
+        _assert_within_bound(out, x, w)
