@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -163,6 +164,58 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from mlafx.graph.capture import capture_step, num_sample_blocks, sample_step_inputs
+    from mlafx.passes.pipeline import lower_step_graph
+    from mlafx.passes.report import format_text, lowering_report
+
+    args.num_kv_blocks = args.num_kv_blocks or num_sample_blocks(args.block_size)
+    llm = build_llm(args)
+    sample = sample_step_inputs(args.block_size, llm.config.vocab_size)
+    start = time.perf_counter()
+    captured = capture_step(llm.model, args.block_size)
+    capture_seconds = time.perf_counter() - start
+    caches = [torch.zeros_like(c[: num_sample_blocks(args.block_size)]) for c in llm.kv_caches]
+    result = lower_step_graph(captured.module(), sample, caches, capture_seconds)
+    report = lowering_report(
+        result, with_graphs=args.graphs or args.stage is not None or args.html is not None
+    )
+    if args.html is not None:
+        from mlafx.passes.report_html import graph_svg, render_html
+
+        svgs = {stage.name: graph_svg(stage.graph) for stage in result.stages}
+        title = f"mlafx inspect: {llm.config.model_type}, {llm.config.num_hidden_layers} layers"
+        args.html.write_text(render_html(report, svgs, title))
+        print(f"wrote {args.html}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_text(report, args.stage))
+    return 0
+
+
+BENCHMARKS = {"kernels": "kernels.py", "compiled-step": "compiled_step.py"}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run a benchmark script of the source checkout's bench/ with the remaining flags."""
+    import runpy
+
+    script = Path(__file__).resolve().parents[1] / "bench" / BENCHMARKS[args.which]
+    if not script.is_file():
+        print(
+            f"mlafx bench: {script} not found (benchmarks run from a source checkout)",
+            file=sys.stderr,
+        )
+        return 2
+    sys.argv = [str(script), *args.bench_args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlafx", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -180,6 +233,29 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     run.set_defaults(func=cmd_run)
+    inspect = sub.add_parser(
+        "inspect", help="capture the step graph, run the MLA passes, report every stage"
+    )
+    add_model_flags(inspect)
+    inspect.add_argument(
+        "--stage",
+        default=None,
+        help="print only this stage (captured, find_mla_attention, "
+        "lower_attention, verify), with its graph",
+    )
+    inspect.add_argument("--graphs", action="store_true", help="include every stage's graph")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument(
+        "--html",
+        type=Path,
+        default=None,
+        help="also write a self-contained HTML report (needs graphviz)",
+    )
+    inspect.set_defaults(func=cmd_inspect)
+    bench = sub.add_parser("bench", help="run a benchmark (flags after the name go to it)")
+    bench.add_argument("which", choices=sorted(BENCHMARKS))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -14,7 +14,8 @@ ALLOWED = {
     "models": {"config", "kernels"},
     "graph": {"config", "models", "kernels"},
     "passes": {"config", "models", "graph", "kernels"},
-    "runtime": {"config", "models", "graph", "passes", "kernels"},
+    # runtime runs the compiled step that export/ packages (one code path for both)
+    "runtime": {"config", "models", "graph", "passes", "kernels", "export"},
     "export": {"config", "models", "graph", "passes", "kernels"},
 }
 

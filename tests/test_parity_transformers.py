@@ -90,6 +90,22 @@ CONFIGS = {
         first_k_dense_replace=1,
         rope_parameters=_YARN,
     ),
+    # A V3 config with rope_interleave=false: NeoX-style halves instead of pairs.
+    "v3_neox_rope": lambda: transformers.DeepseekV3Config(
+        **_COMMON,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=False,
+        first_k_dense_replace=2,
+        rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
+    ),
     # GLM-4.7-Flash shape: P != V, q LoRA, mlp_layer_types.
     "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
         **_COMMON,
@@ -111,6 +127,11 @@ MODEL_CLASSES = {
     transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
 }
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("compiled_steps")
 
 
 def make_checkpoint(name: str, directory) -> torch.nn.Module:
@@ -138,10 +159,21 @@ def reference_generate(model, prompt: list[int]) -> tuple[list[int], torch.Tenso
     return out.sequences[0, len(prompt) :].tolist(), logprobs
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["reference", "compiled"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_greedy_tokens_and_logprobs_match_transformers(name, tmp_path):
+def test_greedy_tokens_and_logprobs_match_transformers(name, compiled, tmp_path, compile_cache):
+    """Both engine paths: the plain reference model, and the captured, MLA-lowered and
+    AOTInductor-compiled step."""
     reference = make_checkpoint(name, tmp_path)
-    llm = mlafx.LLM(str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=64, progress=False)
+    llm = mlafx.LLM(
+        str(tmp_path),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=64,
+        progress=False,
+        compile=compiled,
+        compile_cache_dir=compile_cache,
+    )
     outputs = llm.generate(PROMPTS, mlafx.SamplingParams(max_tokens=NEW_TOKENS, logprobs=1))
     compared = 0
     for prompt, output in zip(PROMPTS, outputs, strict=True):

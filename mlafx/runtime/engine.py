@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,8 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         seed: int = 0,
         progress: bool = True,
+        compile: bool = False,
+        compile_cache_dir: str | Path | None = None,
     ) -> None:
         self.config = cfg = ModelConfig.from_model(model, hf_overrides)
         self.dtype = torch_dtype(dtype)
@@ -94,6 +96,16 @@ class LLM:
             progress=progress,
         )
         self.tokenizer = None if model in PRESETS else load_tokenizer(model)
+        # The step the engine runs: the plain reference model, or the same model captured,
+        # rewritten onto the latent-cache kernels and compiled ahead of time (AOTInductor).
+        self.compiled = None
+        self.step_fn: Callable[..., torch.Tensor] = self.model
+        if compile:
+            from mlafx.export.compiled_step import compile_step
+
+            cache_dir = None if compile_cache_dir is None else Path(compile_cache_dir)
+            self.compiled = compile_step(self.model, block_size, cache_dir=cache_dir)
+            self.step_fn = self.compiled
         # One cache tensor per layer: [num_blocks, block_size, Lkv + R], no head axis.
         self.kv_caches = [
             torch.zeros(num_blocks, block_size, cfg.latent_width, dtype=self.dtype)
@@ -177,7 +189,7 @@ class LLM:
             raise RuntimeError("scheduler made no progress (KV cache exhausted)")
         inputs = step_inputs_for(batch, self.block_size)
         with torch.inference_mode():
-            logits = self.model(
+            logits = self.step_fn(
                 inputs.input_ids,
                 inputs.positions,
                 self.kv_caches,

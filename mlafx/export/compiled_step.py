@@ -1,0 +1,139 @@
+"""The compiled step: capture -> MLA passes -> AOTInductor package, loaded in process.
+
+The engine's compiled path and the shipped artifact are the same AOTInductor package, so
+"identical to the compiled engine" holds by construction. Weights stay outside the shared
+library (``aot_inductor.package_constants_in_so=False``) and are handed over with
+``load_constants``: the package holds code only, keyed on disk by config, dtype, block
+size and versions, so a second engine start loads it instead of recompiling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlafx.graph.capture import (
+    capture_step,
+    num_sample_blocks,
+    sample_step_inputs,
+    step_dynamic_shapes,
+)
+from mlafx.models.deepseek import MLAForCausalLM
+from mlafx.models.step import StepMetadata
+from mlafx.passes.pipeline import LoweringResult, lower_step_graph
+
+log = logging.getLogger(__name__)
+CACHE_LAYOUT_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "mlafx" / "compiled"
+
+
+def package_key(model: MLAForCausalLM, block_size: int) -> str:
+    import mlafx
+    from mlafx.kernels import _build_info  # the kernels the package will call (gitignored)
+
+    cfg = model.config
+    facts = {
+        "config": cfg.to_dict(),
+        "dtype": str(model.lm_head.weight.dtype),
+        "block_size": block_size,
+        "torch": torch.__version__,
+        "mlafx": mlafx.__version__,
+        "kernels": _build_info.CSRC_SHA256,
+        "layout": CACHE_LAYOUT_VERSION,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+@dataclass
+class CompiledStep:
+    """Callable like the model: ``step(input_ids, positions, caches, meta, logits_indices)``."""
+
+    runner: object
+    lowering: LoweringResult | None
+    package: Path
+    compile_seconds: float
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[torch.Tensor],
+        meta: StepMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.runner(input_ids, positions, caches, meta, logits_indices)
+
+
+def _sample_args(model: MLAForCausalLM, block_size: int):  # type: ignore[no-untyped-def]
+    cfg = model.config
+    sample = sample_step_inputs(block_size, cfg.vocab_size)
+    dtype = model.lm_head.weight.dtype
+    caches = [
+        torch.zeros(num_sample_blocks(block_size), block_size, cfg.latent_width, dtype=dtype)
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    return sample, caches
+
+
+def compile_step(
+    model: MLAForCausalLM, block_size: int, *, cache_dir: Path | None = None
+) -> CompiledStep:
+    """Capture, lower and AOT-compile the model's step (or load the cached package)."""
+    cache_dir = cache_dir or default_cache_dir()
+    package = cache_dir / f"step-{package_key(model, block_size)}.pt2"
+    start = time.perf_counter()
+    lowering = None
+    if not package.exists():
+        log.warning(
+            "compiling the step for %s (block size %d); cached at %s",
+            model.config.model_type,
+            block_size,
+            package,
+        )
+        sample, caches = _sample_args(model, block_size)
+        captured = capture_step(model, block_size)
+        lowering = lower_step_graph(captured.module(), sample, caches, time.perf_counter() - start)
+        args = (sample.input_ids, sample.positions, caches, sample.meta, sample.logits_indices)
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
+            lowered = torch.export.export(
+                lowering.graph,
+                args,
+                dynamic_shapes=step_dynamic_shapes(model.config.num_hidden_layers),
+                strict=False,
+            )
+        package.parent.mkdir(parents=True, exist_ok=True)
+        tmp = package.with_suffix(".tmp.pt2")
+        torch._inductor.aoti_compile_and_package(
+            lowered,
+            package_path=str(tmp),
+            inductor_configs={"aot_inductor.package_constants_in_so": False},
+        )
+        tmp.replace(package)  # atomic: a crashed compile never leaves a half package
+        log.warning("  compiled in %.1f s", time.perf_counter() - start)
+    runner = torch._inductor.aoti_load_package(str(package))
+    weights = _constants(model)
+    wanted = runner.get_constant_fqns()
+    missing = sorted(set(wanted) - set(weights))
+    if missing:
+        raise RuntimeError(f"compiled step {package.name} expects unknown constants {missing[:5]}")
+    runner.load_constants(
+        {k: weights[k] for k in wanted}, check_full_update=True, user_managed=True
+    )
+    return CompiledStep(runner, lowering, package, time.perf_counter() - start)
+
+
+def _constants(model: MLAForCausalLM) -> dict[str, torch.Tensor]:
+    """The weights and buffers by their FQN, as the package names its constants."""
+    return {
+        **{k: v for k, v in model.named_parameters(remove_duplicate=False)},
+        **{k: v for k, v in model.named_buffers(remove_duplicate=False)},
+    }

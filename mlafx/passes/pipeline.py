@@ -1,0 +1,86 @@
+"""The pass pipeline: one explicit, ordered list (no registration by import).
+
+    find_mla_attention  -> MLASite records (and logged refusals)
+    lower_attention     -> write_latent_cache + absorbed mla_attention_paged per site
+                           (uses absorb_weights for the W_UK/W_UV views)
+    cleanup             -> dead-code elimination, lint, recompile
+    verify              -> numeric check against the captured graph; a mismatch keeps the
+                           captured graph and reports why
+Each stage's graph is kept (for ``mlafx inspect``) with its op histogram and time.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from mlafx.models.step import StepInputs
+from mlafx.passes.find_mla_attention import find_mla_sites
+from mlafx.passes.graph_utils import finish
+from mlafx.passes.lower_attention import lower_attention
+from mlafx.passes.mla_site import MLASite, Refusal
+from mlafx.passes.verify import VerificationError, VerifyReport, random_caches, verify_rewrite
+
+log = logging.getLogger(__name__)
+
+
+def op_histogram(gm: fx.GraphModule) -> Counter[str]:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+@dataclass
+class Stage:
+    name: str
+    graph: fx.GraphModule
+    seconds: float
+    rewrites: int = 0
+
+    @property
+    def ops(self) -> Counter[str]:
+        return op_histogram(self.graph)
+
+
+@dataclass
+class LoweringResult:
+    graph: fx.GraphModule  # the final graph (the captured one if verification failed)
+    sites: list[MLASite]
+    refusals: list[Refusal]
+    stages: list[Stage] = field(default_factory=list)
+    verify: VerifyReport | None = None
+    verify_error: str | None = None
+
+
+def lower_step_graph(
+    captured: fx.GraphModule,
+    sample: StepInputs,
+    sample_caches: list[torch.Tensor],
+    capture_seconds: float = 0.0,
+) -> LoweringResult:
+    stages = [Stage("captured", captured, capture_seconds)]
+    gm = copy.deepcopy(captured)
+
+    start = time.perf_counter()
+    sites, refusals = find_mla_sites(gm)
+    seconds = time.perf_counter() - start
+    stages.append(Stage("find_mla_attention", copy.deepcopy(gm), seconds))
+
+    start = time.perf_counter()
+    lowered = lower_attention(gm, sites)
+    finish(gm)
+    stages.append(Stage("lower_attention", gm, time.perf_counter() - start, lowered))
+
+    start = time.perf_counter()
+    result = LoweringResult(gm, sites, refusals, stages)
+    try:
+        result.verify = verify_rewrite(captured, gm, sample, random_caches(sample_caches))
+    except VerificationError as error:
+        log.warning("verify: rewrite rejected, keeping the captured graph: %s", error)
+        result.graph, result.verify_error = captured, str(error)
+    stages.append(Stage("verify", result.graph, time.perf_counter() - start))
+    return result

@@ -1,0 +1,98 @@
+"""A lowering's stages as plain data: what ``mlafx inspect`` prints, as text or JSON."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from mlafx.passes.pipeline import LoweringResult, Stage
+
+
+def op_diff(before: Counter[str], after: Counter[str]) -> dict[str, int]:
+    """Ops whose count changed between two stages: op -> after minus before."""
+    return {
+        op: after[op] - before[op]
+        for op in sorted(set(before) | set(after))
+        if after[op] != before[op]
+    }
+
+
+def stage_report(stage: Stage, previous: Stage | None, with_graph: bool) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "name": stage.name,
+        "seconds": round(stage.seconds, 4),
+        "rewrites": stage.rewrites,
+        "num_nodes": len(stage.graph.graph.nodes),
+        "ops": dict(sorted(stage.ops.items(), key=lambda kv: (-kv[1], kv[0]))),
+        "diff_from_previous": op_diff(previous.ops, stage.ops) if previous else {},
+    }
+    if with_graph:
+        report["graph"] = stage.graph.code
+    return report
+
+
+def lowering_report(result: LoweringResult, *, with_graphs: bool = False) -> dict[str, Any]:
+    stages = result.stages
+    return {
+        "sites": [
+            {
+                "layer": s.layer,
+                "anchor": s.sdpa.name,
+                "cache_input": s.cache.name,
+                "kv_b_proj_weight": str(s.kv_b_weight.target),
+                "heads": s.num_heads,
+                "kv_lora_rank": s.kv_lora_rank,
+                "qk_rope_head_dim": s.qk_rope_head_dim,
+                "qk_nope_head_dim": s.qk_nope_head_dim,
+                "v_head_dim": s.v_head_dim,
+                "scale": s.scale,
+                "lowered_to": (
+                    []
+                    if result.verify_error
+                    else ["mlafx::write_latent_cache", "mlafx::mla_attention_paged"]
+                ),
+            }
+            for s in result.sites
+        ],
+        "refused": [{"anchor": r.anchor, "reason": r.reason} for r in result.refusals],
+        "verify": (
+            {"ok": False, "error": result.verify_error}
+            if result.verify_error
+            else {"ok": True, "max_abs_logit_diff": result.verify.max_abs_logit_diff}
+            if result.verify
+            else None
+        ),
+        "stages": [
+            stage_report(stage, stages[i - 1] if i else None, with_graphs)
+            for i, stage in enumerate(stages)
+        ],
+    }
+
+
+def format_text(report: dict[str, Any], stage: str | None = None) -> str:
+    lines = []
+    for entry in report["stages"]:
+        if stage and entry["name"] != stage:
+            continue
+        lines.append(
+            f"== stage {entry['name']}: {entry['num_nodes']} nodes, "
+            f"{entry['rewrites']} rewrite(s), {entry['seconds'] * 1e3:.1f} ms"
+        )
+        top = ", ".join(f"{op} x{n}" for op, n in list(entry["ops"].items())[:12])
+        lines.append(f"   ops: {top}")
+        if entry["diff_from_previous"]:
+            diff = ", ".join(f"{op} {n:+d}" for op, n in entry["diff_from_previous"].items())
+            lines.append(f"   diff: {diff}")
+        if "graph" in entry:
+            lines.append(entry["graph"])
+    for site in report["sites"]:
+        lowered = " + ".join(site["lowered_to"]) or "not lowered"
+        lines.append(
+            f"site layer {site['layer']}: {site['anchor']} (H={site['heads']}, "
+            f"Lkv={site['kv_lora_rank']}, R={site['qk_rope_head_dim']}) -> {lowered}"
+        )
+    for refusal in report["refused"]:
+        lines.append(f"refused {refusal['anchor']}: {refusal['reason']}")
+    if report["verify"] is not None:
+        lines.append(f"verify: {report['verify']}")
+    return "\n".join(lines)
