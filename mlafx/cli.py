@@ -165,17 +165,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from mlafx.graph.capture import capture_step, num_sample_blocks, sample_step_inputs
+    from mlafx.graph.capture import capture_step, num_sample_blocks, sample_step
     from mlafx.passes.pipeline import lower_step_graph
     from mlafx.passes.report import format_text, lowering_report
 
     args.num_kv_blocks = args.num_kv_blocks or num_sample_blocks(args.block_size)
     llm = build_llm(args)
-    sample = sample_step_inputs(args.block_size, llm.config.vocab_size)
     start = time.perf_counter()
     captured = capture_step(llm.model, args.block_size)
     capture_seconds = time.perf_counter() - start
-    caches = [torch.zeros_like(c[: num_sample_blocks(args.block_size)]) for c in llm.kv_caches]
+    sample, caches = sample_step(llm.model, args.block_size)
     result = lower_step_graph(captured.module(), sample, caches, capture_seconds)
     report = lowering_report(
         result, with_graphs=args.graphs or args.stage is not None or args.html is not None

@@ -18,12 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mlafx.graph.capture import (
-    capture_step,
-    num_sample_blocks,
-    sample_step_inputs,
-    step_dynamic_shapes,
-)
+from mlafx.graph.capture import capture_step, sample_step, step_dynamic_shapes
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.step import StepMetadata
 from mlafx.passes.pipeline import LoweringResult, lower_step_graph
@@ -73,17 +68,6 @@ class CompiledStep:
         return self.runner(input_ids, positions, caches, meta, logits_indices)
 
 
-def _sample_args(model: MLAForCausalLM, block_size: int):  # type: ignore[no-untyped-def]
-    cfg = model.config
-    sample = sample_step_inputs(block_size, cfg.vocab_size)
-    dtype = model.lm_head.weight.dtype
-    caches = [
-        torch.zeros(num_sample_blocks(block_size), block_size, cfg.latent_width, dtype=dtype)
-        for _ in range(cfg.num_hidden_layers)
-    ]
-    return sample, caches
-
-
 def compile_step(
     model: MLAForCausalLM, block_size: int, *, cache_dir: Path | None = None
 ) -> CompiledStep:
@@ -99,7 +83,7 @@ def compile_step(
             block_size,
             package,
         )
-        sample, caches = _sample_args(model, block_size)
+        sample, caches = sample_step(model, block_size)
         captured = capture_step(model, block_size)
         lowering = lower_step_graph(captured.module(), sample, caches, time.perf_counter() - start)
         args = (sample.input_ids, sample.positions, caches, sample.meta, sample.logits_indices)

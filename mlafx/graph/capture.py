@@ -82,15 +82,21 @@ def experts_as_custom_op() -> Iterator[None]:
         RoutedExperts.forward = original
 
 
-def capture_step(model: MLAForCausalLM, block_size: int) -> ExportedProgram:
-    """The model's step as an ExportedProgram (pre-dispatch ATen IR, dynamic extents)."""
+def sample_step(model: MLAForCausalLM, block_size: int) -> tuple[StepInputs, list[torch.Tensor]]:
+    """The sample step's inputs and zeroed caches just large enough for it (model dtype)."""
     cfg = model.config
-    sample = sample_step_inputs(block_size, cfg.vocab_size)
     dtype = model.lm_head.weight.dtype
     caches = [
         torch.zeros(num_sample_blocks(block_size), block_size, cfg.latent_width, dtype=dtype)
         for _ in range(cfg.num_hidden_layers)
     ]
+    return sample_step_inputs(block_size, cfg.vocab_size), caches
+
+
+def capture_step(model: MLAForCausalLM, block_size: int) -> ExportedProgram:
+    """The model's step as an ExportedProgram (pre-dispatch ATen IR, dynamic extents)."""
+    cfg = model.config
+    sample, caches = sample_step(model, block_size)
     args = (sample.input_ids, sample.positions, caches, sample.meta, sample.logits_indices)
     has_experts = any(isinstance(m, RoutedExperts) for m in model.modules())
     with (
