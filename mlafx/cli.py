@@ -74,6 +74,12 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: all cores)"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the captured, MLA-lowered, AOTInductor-compiled step (compiled once per "
+        "config, cached under ~/.cache/mlafx/compiled)",
+    )
 
 
 def build_llm(args: argparse.Namespace) -> LLM:
@@ -95,6 +101,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
         num_kv_blocks=args.num_kv_blocks,
         seed=args.seed,
         progress=sys.stderr.isatty(),
+        compile=args.compile,
     )
 
 
