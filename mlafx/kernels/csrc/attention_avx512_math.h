@@ -4,11 +4,21 @@
 
 #include <immintrin.h>
 
+#include <cstddef>
+#include <cstdint>
+
 #if !defined(__AVX512F__)
 #error "attention_avx512_math.h is for sources compiled with the AVX-512 flags from setup.py"
 #endif
 
 namespace mlafx::avx512 {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Workspace carving: 64-byte (cache line, zmm) aligned offsets; widths padded to 16 lanes.
+inline size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
+inline int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
 
 // 2^x for x <= 0 (and NaN): round-to-nearest split, degree-6 Taylor of 2^f on [-0.5, 0.5]
 // (relative error ~1e-7), scalef for the exponent. -inf (and anything below -150) gives 0;

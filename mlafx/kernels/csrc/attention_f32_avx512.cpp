@@ -27,12 +27,6 @@ using mlafx::attn::CoreOps;
 using mlafx::attn::kBlockKeys;
 using mlafx::attn::kMaxRows;
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-inline size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
-inline int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
-
 struct Layout {
   int64_t wq, dvp;
   size_t hdr, qf, lim, kf, s, vf, o, m, l, alpha, total;

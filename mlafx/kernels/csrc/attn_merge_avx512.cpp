@@ -22,8 +22,6 @@ namespace {
 using mlafx::merge::Elem;
 using mlafx::merge::MergeArgs;
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // ln(x) for x in [1, 2] (the sum of two weights, one of which is 1): 2 atanh(z),
 // z = (x - 1) / (x + 1) <= 1/3, odd series to z^11 (error < 1e-7). NaN stays NaN.
 inline __m512 log_1_to_2(__m512 x) {
