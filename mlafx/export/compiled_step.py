@@ -20,11 +20,10 @@ import torch
 
 from mlafx.graph.capture import capture_step, sample_step, step_dynamic_shapes
 from mlafx.models.deepseek import MLAForCausalLM
-from mlafx.models.step import StepMetadata
+from mlafx.models.step import CACHE_LAYOUT_VERSION, StepMetadata
 from mlafx.passes.pipeline import LoweringResult, lower_step_graph
 
 log = logging.getLogger(__name__)
-CACHE_LAYOUT_VERSION = 1
 
 
 def default_cache_dir() -> Path:

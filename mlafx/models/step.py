@@ -11,6 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
+# Version of the bytes of a latent-cache row (``[kv_c_normed | k_pe_roped]``, k_pe in
+# interleaved pair order). Compiled packages and KV-store keys include it; bump it whenever
+# the row layout changes, so stale caches are never reused.
+CACHE_LAYOUT_VERSION = 1
+
 
 @dataclass(frozen=True)
 class StepMetadata:
@@ -45,18 +50,21 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: StepMetadata
-    logits_indices: torch.Tensor  # [S] int64: the last new token of each sequence
+    logits_indices: torch.Tensor  # [S] int64: the last new token of each sampling sequence
 
 
 @dataclass(frozen=True)
 class SequenceSpan:
     """One sequence's share of a step: compute positions ``start .. end-1``, whose token ids
-    are ``new_token_ids``; its cache rows live in ``blocks`` (in position order)."""
+    are ``new_token_ids``; its cache rows live in ``blocks`` (in position order). ``sample``
+    is False for a prompt chunk that does not reach the prompt's end: its rows are cached
+    but no token is drawn, so it adds nothing to ``logits_indices``."""
 
     new_token_ids: list[int]
     start: int
     end: int
     blocks: list[int]
+    sample: bool = True
 
 
 def build_step_inputs(spans: list[SequenceSpan], block_size: int) -> StepInputs:
@@ -74,7 +82,8 @@ def build_step_inputs(spans: list[SequenceSpan], block_size: int) -> StepInputs:
         key_pos.append(torch.arange(span.end, dtype=torch.int64))
         key_seq.append(torch.full((span.end,), b, dtype=torch.int64))
         block_table[b, : len(span.blocks)] = torch.tensor(span.blocks, dtype=torch.int32)
-        logits_indices.append(len(input_ids) - 1)
+        if span.sample:
+            logits_indices.append(len(input_ids) - 1)
     pos = torch.cat(positions)
     seq_ids = torch.cat(query_seq)
     blocks = block_table[seq_ids, pos // block_size].to(torch.int64)
