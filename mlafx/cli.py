@@ -76,9 +76,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compile",
-        action="store_true",
-        help="run the captured, MLA-lowered, AOTInductor-compiled step (compiled once per "
-        "config, cached under ~/.cache/mlafx/compiled)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the captured, MLA-lowered, AOTInductor-compiled step (default; compiled "
+        "once per config, cached under $MLAFX_CACHE_DIR or ~/.cache/mlafx/compiled); "
+        "--no-compile runs the plain reference model",
     )
 
 

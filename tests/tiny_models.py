@@ -27,7 +27,10 @@ TINY_OVERRIDES = {
 
 
 def tiny_llm(**kwargs) -> mlafx.LLM:
+    """The tiny engine; the reference path unless a test asks for ``compile=True`` (runtime
+    logic is path-independent, and each compiled configuration costs ~20 s cold)."""
     options = dict(
+        compile=False,
         load_format="dummy",
         hf_overrides=TINY_OVERRIDES,
         dtype="float32",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,10 @@ log = logging.getLogger(__name__)
 
 
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "mlafx" / "compiled"
+    """``$MLAFX_CACHE_DIR`` if set (the test suite points it inside the repo), else
+    ``~/.cache/mlafx/compiled``."""
+    configured = os.environ.get("MLAFX_CACHE_DIR")
+    return Path(configured) if configured else Path.home() / ".cache" / "mlafx" / "compiled"
 
 
 def package_key(model: MLAForCausalLM, block_size: int) -> str:

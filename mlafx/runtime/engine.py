@@ -43,6 +43,9 @@ class LLM:
     ``model`` is a preset name (``"deepseek-v2-lite"``) or a local directory with
     ``config.json`` and safetensors weights (``load_format="auto"``); ``"dummy"`` fills
     seeded random weights. ``hf_overrides`` is applied over config.json before validation.
+    ``compile=True`` (the default) serves the captured, MLA-lowered, AOTInductor-compiled
+    step (compiled once per config and cached on disk); ``compile=False`` runs the plain
+    reference model eagerly.
     """
 
     def __init__(
@@ -60,7 +63,7 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         seed: int = 0,
         progress: bool = True,
-        compile: bool = False,
+        compile: bool = True,
         compile_cache_dir: str | Path | None = None,
     ) -> None:
         self.config = cfg = ModelConfig.from_model(model, hf_overrides)

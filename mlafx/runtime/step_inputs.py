@@ -8,7 +8,13 @@ from mlafx.runtime.scheduler import ScheduledSequence
 
 def step_inputs_for(batch: list[ScheduledSequence], block_size: int) -> StepInputs:
     spans = [
-        SequenceSpan(s.request.token_ids(s.start, s.end), s.start, s.end, s.request.blocks)
+        SequenceSpan(
+            s.request.token_ids(s.start, s.end),
+            s.start,
+            s.end,
+            s.request.blocks,
+            sample=s.end >= s.request.num_tokens,  # a prompt chunk short of the end draws none
+        )
         for s in batch
     ]
     return build_step_inputs(spans, block_size)
