@@ -48,7 +48,7 @@ def test_small_max_num_seqs_and_token_budget_queue_requests(llm):
     prompts = random_prompts(5, 30, seed=2)
     queued = tiny_llm(max_num_seqs=2, max_num_batched_tokens=8, num_kv_blocks=40)
     assert tokens(queued.generate(prompts, GREEDY)) == tokens(llm.generate(prompts, GREEDY))
-    assert queued.allocator.num_free_blocks == queued.allocator.num_usable_blocks
+    assert queued.block_manager.num_free_blocks == queued.block_manager.num_usable_blocks
 
 
 def test_single_prompt_of_ids_and_output_fields(llm):
@@ -123,7 +123,7 @@ def test_bad_input_raises_and_the_engine_stays_usable(prompts, params, message):
     before = tokens(llm.generate([[7, 8, 9]], GREEDY))
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, params)
-    assert llm.allocator.num_free_blocks == llm.allocator.num_usable_blocks
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_usable_blocks
     assert tokens(llm.generate([[7, 8, 9]], GREEDY)) == before
 
 

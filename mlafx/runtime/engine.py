@@ -1,7 +1,9 @@
-"""`LLM`: the offline engine. Loads a model, owns the paged latent cache, and serves a
-batch of prompts with continuous batching (see ``scheduler``), vLLM-style.
+"""`LLM`: the offline engine. Loads a model, owns the paged latent cache, and serves
+prompts with continuous batching, chunked prefill, prefix caching and, optionally, a KV
+connector that shares computed prefixes between engines (see ``scheduler``).
 
-One step: schedule -> build the step's index tensors -> run the model -> sample -> append.
+``LLM.__init__`` builds the model and its step; everything after that (cache, scheduler,
+the engine loop) is ``EngineCore``, started by ``_start`` from a config and a step callable.
 """
 
 from __future__ import annotations
@@ -15,37 +17,44 @@ from typing import Any
 
 import torch
 
-from mlafx.config import ModelConfig, check_fits_in_memory, kv_bytes_per_token
+from mlafx.config import ModelConfig, check_fits_in_memory
 from mlafx.config.presets import PRESETS
 from mlafx.models.loader import LoadFormat, build_model, torch_dtype
-from mlafx.runtime.block_allocator import BlockAllocator
+from mlafx.runtime.block_hash import cache_fingerprint
+from mlafx.runtime.block_manager import BlockManager
+from mlafx.runtime.engine_core import EngineCore, StepFn
+from mlafx.runtime.kv_connector.base import KVConnector
+from mlafx.runtime.options import ServingOptions
 from mlafx.runtime.request import Request
-from mlafx.runtime.sampler import sample
 from mlafx.runtime.sampling_params import (
     CompletionOutput,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
 )
-from mlafx.runtime.scheduler import Scheduler, blocks_for_lifetime
-from mlafx.runtime.step_inputs import step_inputs_for
+from mlafx.runtime.scheduler import blocks_for_lifetime
 from mlafx.runtime.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither num_kv_blocks nor kv_cache_memory is given
 Prompt = str | Sequence[int]
 
 
 class LLM:
-    """Offline inference over a paged latent KV cache.
+    """Inference over a paged latent KV cache.
 
     ``model`` is a preset name (``"deepseek-v2-lite"``) or a local directory with
     ``config.json`` and safetensors weights (``load_format="auto"``); ``"dummy"`` fills
     seeded random weights. ``hf_overrides`` is applied over config.json before validation.
     ``compile=True`` (the default) serves the captured, MLA-lowered, AOTInductor-compiled
     step (compiled once per config and cached on disk); ``compile=False`` runs the plain
-    reference model eagerly.
+    reference model eagerly. The serving options are ``ServingOptions``'s. ``kv_connector``
+    is a store spec (``"disk:PATH"``, ``"redis://HOST:PORT"``) or a ``KVConnector`` built
+    for this engine's ``cache_fingerprint`` and block size.
+
+    Offline: ``generate(prompts, params)``. Incremental (a server's loop):
+    ``add_request`` -> ``step()`` until ``has_unfinished_requests()`` is False;
+    ``abort_request`` drops one. ``get_metrics()`` reports hit rates and throughput.
     """
 
     def __init__(
@@ -61,100 +70,116 @@ class LLM:
         kv_cache_memory: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        kv_connector: str | KVConnector | None = None,
         seed: int = 0,
         progress: bool = True,
         compile: bool = True,
         compile_cache_dir: str | Path | None = None,
     ) -> None:
-        self.config = cfg = ModelConfig.from_model(model, hf_overrides)
-        self.dtype = torch_dtype(dtype)
-        if not 1 <= block_size <= 256:
-            raise ValueError(f"block_size must be in 1..256, got {block_size}")
-        if max_model_len is None:
-            max_model_len = cfg.max_position_embeddings
-        if not 2 <= max_model_len <= cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len must be in 2..{cfg.max_position_embeddings} "
-                f"(max_position_embeddings), got {max_model_len}"
-            )
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        cfg = ModelConfig.from_model(model, hf_overrides)
+        torch_dtype(dtype)  # validates the name
+        options = ServingOptions(
+            block_size=block_size,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+        )
+        options.resolved_max_model_len(cfg)
         if load_format == "auto" and isinstance(model, str) and model in PRESETS:
             raise ValueError(
                 f"preset {model!r} has no weights on this machine; use load_format='dummy' "
                 "or a local checkpoint directory"
             )
-        num_blocks = self._num_blocks(cfg, dtype, block_size, num_kv_blocks, kv_cache_memory)
-        check_fits_in_memory(cfg, dtype, num_blocks * block_size)  # before any allocation
+        # before any allocation: the weights plus the cache must fit
+        check_fits_in_memory(cfg, dtype, options.num_blocks(cfg, dtype) * block_size)
+        # a bad store spec fails here, before the (slow) model build and compile
+        connector = connect_kv_store(kv_connector, cfg, dtype, block_size)
+        try:
+            self.model = build_model(
+                cfg,
+                dtype,
+                load_format,
+                None if model in PRESETS else model,
+                seed=seed,
+                progress=progress,
+            )
+            # The step the engine runs: the plain reference model, or the same model
+            # captured, rewritten onto the latent-cache kernels and compiled ahead of time.
+            self.compiled = None
+            step_fn: StepFn = self.model
+            if compile:
+                from mlafx.export.compiled_step import compile_step
 
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.seed = seed
-        self.model = build_model(
-            cfg,
-            dtype,
-            load_format,
-            None if model in PRESETS else model,
-            seed=seed,
-            progress=progress,
-        )
-        self.tokenizer = None if model in PRESETS else load_tokenizer(model)
-        # The step the engine runs: the plain reference model, or the same model captured,
-        # rewritten onto the latent-cache kernels and compiled ahead of time (AOTInductor).
-        self.compiled = None
-        self.step_fn: Callable[..., torch.Tensor] = self.model
-        if compile:
-            from mlafx.export.compiled_step import compile_step
+                cache_dir = None if compile_cache_dir is None else Path(compile_cache_dir)
+                self.compiled = compile_step(self.model, block_size, cache_dir=cache_dir)
+                step_fn = self.compiled
+            tokenizer = None if model in PRESETS else load_tokenizer(model)
+            self._start(cfg, step_fn, dtype, options, tokenizer, connector)
+        except BaseException:
+            if connector is not None and connector is not kv_connector:
+                connector.close()  # we opened it
+            raise
 
-            cache_dir = None if compile_cache_dir is None else Path(compile_cache_dir)
-            self.compiled = compile_step(self.model, block_size, cache_dir=cache_dir)
-            self.step_fn = self.compiled
-        # One cache tensor per layer: [num_blocks, block_size, Lkv + R], no head axis.
-        self.kv_caches = [
-            torch.zeros(num_blocks, block_size, cfg.latent_width, dtype=self.dtype)
-            for _ in range(cfg.num_hidden_layers)
-        ]
-        self.allocator = BlockAllocator(num_blocks)
-        self.scheduler = Scheduler(
-            self.allocator,
-            block_size=block_size,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+    def _start(
+        self,
+        config: ModelConfig,
+        step_fn: StepFn,
+        dtype: str,
+        options: ServingOptions,
+        tokenizer: Any | None,
+        kv_connector: KVConnector | None,
+    ) -> None:
+        """Everything but the model: the cache, the scheduler and the engine loop, serving
+        ``step_fn`` (``(input_ids, positions, caches, meta, logits_indices) -> logits``)."""
+        self.config = config
+        self.dtype = torch_dtype(dtype)
+        self.block_size = options.block_size
+        self.max_model_len = options.resolved_max_model_len(config)
+        self.seed = options.seed
+        self.tokenizer = tokenizer
+        self.step_fn: Callable[..., torch.Tensor] = step_fn
+        self.cache_fingerprint = cache_fingerprint(config, dtype, options.block_size)
+        num_blocks = options.num_blocks(config, dtype)
+        self.engine = EngineCore(
+            config,
+            step_fn,
+            dtype=self.dtype,
+            block_size=options.block_size,
+            num_blocks=num_blocks,
+            max_model_len=self.max_model_len,
+            max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
+            enable_chunked_prefill=options.enable_chunked_prefill,
+            enable_prefix_caching=options.enable_prefix_caching,
+            kv_connector=kv_connector,
         )
+        self.kv_caches = self.engine.kv_caches
         self._request_counter = itertools.count()
         log.info(
-            "mlafx engine: %s (%d layers) %s, %d KV blocks of %d tokens",
-            cfg.model_type,
-            cfg.num_hidden_layers,
+            "mlafx engine: %s (%d layers) %s, %d KV blocks of %d tokens, prefix caching %s, "
+            "chunked prefill %s, KV connector %s",
+            config.model_type,
+            config.num_hidden_layers,
             dtype,
             num_blocks,
-            block_size,
+            options.block_size,
+            "on" if options.enable_prefix_caching else "off",
+            "on" if options.enable_chunked_prefill else "off",
+            type(kv_connector).__name__ if kv_connector else "none",
         )
 
-    @staticmethod
-    def _num_blocks(
-        cfg: ModelConfig,
-        dtype: str,
-        block_size: int,
-        num_kv_blocks: int | None,
-        kv_cache_memory: int | None,
-    ) -> int:
-        if num_kv_blocks is not None and kv_cache_memory is not None:
-            raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
-        if num_kv_blocks is not None:
-            blocks = num_kv_blocks
-        else:
-            memory = DEFAULT_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
-            blocks = memory // (kv_bytes_per_token(cfg, dtype) * block_size)
-        if blocks < 2:
-            raise ValueError(
-                f"the KV cache holds {blocks} block(s) of {block_size} tokens; at least 2 are "
-                "needed (block 0 is reserved): raise num_kv_blocks or kv_cache_memory"
-            )
-        return int(blocks)
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.engine.blocks
 
-    # ----- public API -----
+    # ----- offline API -----
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -177,55 +202,58 @@ class LLM:
             for i, (p, sp) in enumerate(zip(prompt_list, params, strict=True))
         ]
         for request in requests:
-            self.scheduler.add(request)
+            self.engine.add(request)
         try:
-            while self.scheduler.has_unfinished():
-                self.step()
-        finally:
-            self.scheduler.abort_all()  # a no-op after success; frees the cache after an error
+            while not all(r.finished for r in requests):
+                self.engine.step()
+        finally:  # after an error, free the cache (a no-op after success)
+            for request in requests:
+                if not request.finished:
+                    self.engine.abort(request.request_id)
         return [self._output(r) for r in requests]
 
-    # ----- one engine step -----
-    def step(self) -> None:
-        batch = self.scheduler.schedule()
-        if not batch:
-            raise RuntimeError("scheduler made no progress (KV cache exhausted)")
-        inputs = step_inputs_for(batch, self.block_size)
-        with torch.inference_mode():
-            logits = self.step_fn(
-                inputs.input_ids,
-                inputs.positions,
-                self.kv_caches,
-                inputs.meta,
-                inputs.logits_indices,
-            )
-        now = time.perf_counter()
-        for seq, drawn in zip(batch, sample(logits, [s.request for s in batch]), strict=True):
-            request = seq.request
-            request.num_computed_tokens = seq.end
-            request.output_token_ids.append(drawn.token_id)
-            request.cumulative_logprob += drawn.logprob
-            if drawn.top_logprobs is not None:
-                request.output_logprobs.append(drawn.top_logprobs)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.finish_reason = self._finish_reason(request, drawn.token_id)
-            if request.finished:
-                request.metrics.finished_time = now
-                self.scheduler.finish(request)
+    # ----- incremental API -----
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> str:
+        """Queue one prompt (text or token ids); returns its request id."""
+        request = self._make_request(prompt, params or SamplingParams(), 0)
+        self.engine.add(request)
+        return request.request_id
 
-    def _finish_reason(self, request: Request, token: int) -> str | None:
-        params = request.params
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.config.eos_token_ids
-        ):
-            return "stop"
-        if (
-            len(request.output_token_ids) >= params.max_tokens
-            or request.num_tokens >= self.max_model_len
-        ):
-            return "length"
-        return None
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that drew a token in it (their
+        outputs so far; ``finished`` tells which ones are done)."""
+        return [self._output(r) for r in self.engine.step()]
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a queued or running request and free its blocks (finish reason "abort");
+        None if the id is unknown or already finished."""
+        request = self.engine.abort(request_id)
+        return None if request is None else self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def get_metrics(self) -> dict[str, float]:
+        """Cumulative engine metrics, a flat dict of numbers:
+
+        - ``prefix_cache_hit_rate``: prompt tokens found in the local prefix cache / prompt
+          tokens looked up (every admitted request's prompt, once);
+        - ``external_cache_hit_rate``: prompt tokens loaded from the KV connector / prompt
+          tokens looked up; ``external_hit_tokens``: the numerator;
+        - ``num_preemptions``: running requests evicted (and later recomputed) for blocks;
+        - ``prompt_tokens_per_s``: prompt positions computed (recomputation included) per
+          second spent in ``step()``; ``generation_tokens_per_s``: tokens sampled per
+          second spent in ``step()``;
+        - counters behind them (``prompt_tokens``, ``prefix_cache_hit_tokens``,
+          ``computed_prompt_tokens``, ``generation_tokens``, ``busy_s``, ``num_requests``,
+          ``num_finished_requests``, ``num_aborted_requests``, ``num_steps``) and
+          ``kv_cache_usage`` (fraction of usable blocks held by requests now).
+        """
+        return self.engine.metrics()
+
+    def close(self) -> None:
+        """Release the KV connector's connections."""
+        self.engine.close()
 
     # ----- requests in and out -----
     def _as_prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -260,14 +288,16 @@ class LLM:
                 f"prompt {index} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
                 "no room to generate"
             )
+        # A request that cannot fit even alone would wait (or be preempted) forever.
         needed = blocks_for_lifetime(
             len(ids), params.max_tokens, self.max_model_len, self.block_size
         )
-        if needed > self.allocator.num_usable_blocks:
+        usable = self.block_manager.num_usable_blocks
+        if needed > usable:
             raise ValueError(
                 f"prompt {index} needs {needed} KV blocks ({len(ids)} prompt + {params.max_tokens} "
-                f"new tokens) but the cache has only {self.allocator.num_usable_blocks}: raise "
-                "num_kv_blocks / kv_cache_memory or lower max_tokens"
+                f"new tokens) but the cache has only {usable}: raise num_kv_blocks / "
+                "kv_cache_memory or lower max_tokens"
             )
         request_id = str(next(self._request_counter))
         generator = None
@@ -303,6 +333,28 @@ class LLM:
             outputs=[completion],
             finished=request.finished,
             prompt=request.prompt_text,
-            num_cached_tokens=0,
+            num_cached_tokens=request.num_cached_tokens,
             metrics=request.metrics,
         )
+
+
+def connect_kv_store(
+    spec: str | KVConnector | None, config: ModelConfig, dtype: str, block_size: int
+) -> KVConnector | None:
+    """The engine's KV connector: built from a spec string, or checked to match this
+    engine's cache (an incompatible store must never be loaded)."""
+    if spec is None:
+        return None
+    fingerprint = cache_fingerprint(config, dtype, block_size)
+    if isinstance(spec, str):
+        from mlafx.runtime.kv_connector import make_connector
+
+        return make_connector(spec, fingerprint, block_size)
+    if not isinstance(spec, KVConnector):
+        raise TypeError(f"kv_connector must be a spec string or a KVConnector, got {spec!r}")
+    if spec.block_size != block_size or spec.fingerprint != fingerprint:
+        raise ValueError(
+            f"the KV connector was made for block size {spec.block_size} and cache fingerprint "
+            f"{spec.fingerprint[:12]}..., this engine has {block_size} and {fingerprint[:12]}..."
+        )
+    return spec

@@ -6,10 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mlafx.runtime.block_hash import BlockHash, hash_block
 from mlafx.runtime.sampling_params import RequestMetrics, SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler finds requests in its queues by object
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -22,11 +23,20 @@ class Request:
     cumulative_logprob: float = 0.0
     blocks: list[int] = field(default_factory=list)  # KV blocks, in position order
     num_computed_tokens: int = 0  # tokens whose latent rows are in the cache
+    num_registered_blocks: int = 0  # leading blocks offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens not computed (prefix hits + external loads)
+    admitted: bool = False  # scheduled at least once (a preempted request stays True)
+    prompt_saved: bool = False  # full prompt blocks handed to the KV connector
     finish_reason: str | None = None
+    _block_keys: list[BlockHash] = field(default_factory=list, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens at positions ``start .. end-1`` of prompt + output."""
@@ -34,6 +44,19 @@ class Request:
         return (self.prompt_token_ids[start:end] if start < num_prompt else []) + (
             self.output_token_ids[max(start - num_prompt, 0) : max(end - num_prompt, 0)]
         )
+
+    def block_keys(self, block_size: int, count: int) -> list[BlockHash]:
+        """Chained content keys (``block_hash``) of the first ``count`` full blocks of
+        prompt + output; computed once and kept (tokens never change once known)."""
+        if count * block_size > self.num_tokens:
+            raise ValueError(f"request {self.request_id}: block {count - 1} is not full")
+        keys = self._block_keys
+        while len(keys) < count:
+            start = len(keys) * block_size
+            keys.append(
+                hash_block(keys[-1] if keys else None, self.token_ids(start, start + block_size))
+            )
+        return keys[:count]
 
     @property
     def finished(self) -> bool:

@@ -37,11 +37,32 @@ class SamplingParams:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.perf_counter``) of a request's milestones."""
+    """Wall-clock times (``time.perf_counter``) of a request's milestones, and what the
+    serving cost it (``num_output_tokens`` generated so far, ``num_preemptions``)."""
 
     arrival_time: float
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first generated token (None before it)."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean seconds between consecutive generated tokens after the first (None until a
+        second token exists)."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        if self.num_output_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
 
 
 @dataclass
@@ -49,7 +70,7 @@ class CompletionOutput:
     index: int
     token_ids: list[int]
     text: str | None = None
-    finish_reason: str | None = None  # "stop" (eos or a stop token) or "length"
+    finish_reason: str | None = None  # "stop" (eos or a stop token), "length" or "abort"
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
 
@@ -61,5 +82,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt: str | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens not computed: prefix-cache hits + external loads
     metrics: RequestMetrics | None = field(default=None, repr=False)

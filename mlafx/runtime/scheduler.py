@@ -1,9 +1,21 @@
-"""Decides which tokens each step computes: running decodes first, then whole prompts,
-first come first served, within ``max_num_seqs`` and a per-step token budget.
+"""Decides which tokens each step computes (continuous batching, vLLM-style).
 
-A request reserves the KV blocks for its whole life (prompt plus ``max_tokens``, capped
-by ``max_model_len``) when it is admitted, so a running request never runs out of
-blocks; a request whose reservation does not fit waits until others finish.
+Per step, within ``max_num_batched_tokens`` new tokens and ``max_num_seqs`` running
+requests:
+1. running requests, decodes first, then unfinished prompts (their next chunk);
+2. waiting requests, first come first served: a prefix-cache lookup, then the KV
+   connector for further leading blocks, then the first chunk of what is left.
+With ``enable_chunked_prefill`` a prompt longer than the budget left is split across
+steps; without it a prompt is scheduled whole (alone in a step it may exceed the budget).
+
+Blocks are allocated as tokens need them. When a running request needs a block and none is
+free, the most recently admitted running request is preempted by recompute: its blocks are
+freed and it goes back to the front of the waiting queue with its generated tokens kept;
+re-admitted, it recomputes prompt + outputs (prefix hits included) and continues where it
+stopped, so its output is unchanged. No new request is admitted in a step that preempted.
+
+A hit never covers a request's last token (it must be computed: it produces the logits),
+so a request writes only into blocks past its last hit block: shared blocks stay read-only.
 """
 
 from __future__ import annotations
@@ -11,7 +23,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from mlafx.runtime.block_allocator import BlockAllocator
+from mlafx.runtime.block_manager import BlockManager
+from mlafx.runtime.kv_transfer import KVTransfer
+from mlafx.runtime.metrics import EngineStats
 from mlafx.runtime.request import Request
 
 
@@ -22,6 +36,10 @@ class ScheduledSequence:
     request: Request
     start: int
     end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
 
 
 def blocks_for_lifetime(
@@ -35,20 +53,24 @@ def blocks_for_lifetime(
 class Scheduler:
     def __init__(
         self,
-        allocator: BlockAllocator,
+        blocks: BlockManager,
+        stats: EngineStats,
         *,
         block_size: int,
-        max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        kv_transfer: KVTransfer | None = None,
     ) -> None:
-        self.allocator = allocator
+        self.blocks = blocks
+        self.stats = stats
         self.block_size = block_size
-        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.kv_transfer = kv_transfer
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -56,33 +78,150 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ----- one step -----
     def schedule(self) -> list[ScheduledSequence]:
-        batch = [ScheduledSequence(r, r.num_computed_tokens, r.num_tokens) for r in self.running]
-        budget = self.max_num_batched_tokens - len(batch)
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            num_prompt = len(request.prompt_token_ids)
-            if batch and num_prompt > budget:
-                break  # a prompt alone in a step may exceed the budget; never split (yet)
-            needed = blocks_for_lifetime(
-                num_prompt, request.params.max_tokens, self.max_model_len, self.block_size
-            )
-            if needed > self.allocator.num_free_blocks:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSequence] = {}
+        preempted = False
+        # decodes first (one token each), then unfinished prompts; stable: admission order
+        queue = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in queue:
+            if budget == 0:
                 break
-            request.blocks = self.allocator.allocate(needed)
+            if request not in self.running:
+                continue  # preempted earlier in this loop
+            end = request.num_computed_tokens + min(
+                request.num_tokens - request.num_computed_tokens, budget
+            )
+            while not self._grow(request, end):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id).num_tokens
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = ScheduledSequence(
+                    request, request.num_computed_tokens, end
+                )
+                budget -= end - request.num_computed_tokens
+        while (
+            not preempted and budget > 0 and self.waiting and len(self.running) < self.max_num_seqs
+        ):
+            seq = self._admit(self.waiting[0], budget, alone=not scheduled)
+            if seq is None:
+                break
             self.waiting.popleft()
-            self.running.append(request)
-            batch.append(ScheduledSequence(request, 0, num_prompt))
-            budget -= num_prompt
-        return batch
+            self.running.append(seq.request)
+            scheduled[seq.request.request_id] = seq
+            budget -= seq.num_tokens
+        return list(scheduled.values())
+
+    def _grow(self, request: Request, end: int) -> bool:
+        """Give ``request`` the blocks positions ``< end`` need; False if none are free."""
+        missing = -(-end // self.block_size) - len(request.blocks)
+        if missing <= 0:
+            return True
+        if missing > self.blocks.num_free_blocks:
+            return False
+        request.blocks += self.blocks.allocate(missing)
+        return True
+
+    def _admit(self, request: Request, budget: int, *, alone: bool) -> ScheduledSequence | None:
+        """Take blocks for ``request``'s prefix hits and first chunk, or None if it must
+        wait (not enough free blocks, or a whole prompt over the budget)."""
+        bs = self.block_size
+        # at least the last token is computed: it produces the logits
+        keys = request.block_keys(bs, (request.num_tokens - 1) // bs)
+        hits = self.blocks.lookup(keys)
+        num_external = 0
+        if self.kv_transfer is not None and len(hits) < len(keys):
+            num_external = max(self.kv_transfer.lookup(keys) - len(hits), 0)
+        start = (len(hits) + num_external) * bs
+        end = self._chunk_end(request, start, budget, alone)
+        if end is None:
+            return None
+        needed = -(-end // bs) - len(hits)
+        if needed + self.blocks.num_free_among(hits) > self.blocks.num_free_blocks:
+            return None
+        self.blocks.touch(hits)
+        request.blocks = hits + self.blocks.allocate(needed)
+        if num_external:
+            external_blocks = request.blocks[len(hits) : len(hits) + num_external]
+            loaded = self.kv_transfer.load(
+                keys[: len(hits) + num_external], len(hits), external_blocks
+            )
+            for block, key in zip(external_blocks[:loaded], keys[len(hits) :], strict=False):
+                self.blocks.register(block, key)
+            if loaded < num_external:  # a partial miss: compute the rest from there
+                num_external = loaded
+                start = (len(hits) + loaded) * bs
+                end = self._chunk_end(request, start, budget, alone=True)
+                assert end is not None
+                surplus = request.blocks[-(-end // bs) :]
+                del request.blocks[-(-end // bs) :]
+                self.blocks.free(surplus)
+        request.num_computed_tokens = start
+        request.num_registered_blocks = len(hits) + num_external
+        if not request.admitted:
+            request.admitted = True
+            request.num_cached_tokens = start
+            self.stats.num_requests += 1
+            self.stats.lookup_prompt_tokens += request.num_prompt_tokens
+            self.stats.prefix_cache_hit_tokens += len(hits) * bs
+            self.stats.external_hit_tokens += num_external * bs
+        return ScheduledSequence(request, start, end)
+
+    def _chunk_end(self, request: Request, start: int, budget: int, alone: bool) -> int | None:
+        remaining = request.num_tokens - start
+        if self.enable_chunked_prefill:
+            return start + min(remaining, budget)
+        if remaining > budget and not alone:
+            return None
+        return request.num_tokens
+
+    def _preempt(self, request: Request) -> None:
+        """Evict a running request: free its blocks, requeue it first, keep its outputs."""
+        self.running.remove(request)
+        self.blocks.free(request.blocks)
+        request.blocks = []
+        request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
+        request.metrics.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ----- after a step -----
+    def register_computed_blocks(self, request: Request) -> None:
+        """Offer ``request``'s newly completed full blocks to the prefix cache."""
+        full = request.num_computed_tokens // self.block_size
+        if full > request.num_registered_blocks:
+            keys = request.block_keys(self.block_size, full)
+            for i in range(request.num_registered_blocks, full):
+                self.blocks.register(request.blocks[i], keys[i])
+            request.num_registered_blocks = full
+
+    def save_prompt(self, request: Request) -> None:
+        """Hand a fully computed prompt's full blocks to the KV connector (once)."""
+        if (
+            self.kv_transfer is None
+            or request.prompt_saved
+            or request.num_computed_tokens < request.num_prompt_tokens
+        ):
+            return
+        request.prompt_saved = True
+        full = request.num_prompt_tokens // self.block_size
+        self.kv_transfer.save(request.block_keys(self.block_size, full), request.blocks[:full])
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)
-        self.allocator.free(request.blocks)
+        self.blocks.free(request.blocks)
         request.blocks = []
 
-    def abort_all(self) -> None:
-        """Drop every request (after an error), returning their blocks."""
-        for request in list(self.running):
+    def abort(self, request: Request) -> None:
+        """Drop a waiting or running request, returning its blocks."""
+        if request in self.running:
             self.finish(request)
-        self.waiting.clear()
+        elif request in self.waiting:
+            self.waiting.remove(request)

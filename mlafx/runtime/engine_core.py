@@ -1,0 +1,162 @@
+"""The engine loop, independent of how the step was built (reference model, in-process
+compiled step, or a shipped artifact).
+
+One step: schedule -> build the step's index tensors -> run the step -> sample -> append
+-> offer completed blocks to the prefix cache, save computed prompts to the KV connector,
+retire finished requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from mlafx.config import ModelConfig
+from mlafx.runtime.block_manager import BlockManager
+from mlafx.runtime.kv_connector.base import KVConnector
+from mlafx.runtime.kv_transfer import KVTransfer
+from mlafx.runtime.metrics import EngineStats
+from mlafx.runtime.request import Request
+from mlafx.runtime.sampler import Sample, sample
+from mlafx.runtime.scheduler import Scheduler
+from mlafx.runtime.step_inputs import step_inputs_for
+
+StepFn = Callable[..., torch.Tensor]  # (input_ids, positions, caches, meta, logits_indices)
+
+
+class EngineCore:
+    """Owns the paged latent cache, the block manager and the scheduler; runs steps."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        step_fn: StepFn,
+        *,
+        dtype: torch.dtype,
+        block_size: int,
+        num_blocks: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        kv_connector: KVConnector | None = None,
+    ) -> None:
+        self.config = config
+        self.step_fn = step_fn
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        # One cache tensor per layer: [num_blocks, block_size, Lkv + R], no head axis.
+        self.kv_caches = [
+            torch.zeros(num_blocks, block_size, config.latent_width, dtype=dtype)
+            for _ in range(config.num_hidden_layers)
+        ]
+        self.blocks = BlockManager(num_blocks, enable_prefix_caching=enable_prefix_caching)
+        self.stats = EngineStats()
+        self.kv_transfer = (
+            None if kv_connector is None else KVTransfer(kv_connector, self.kv_caches)
+        )
+        self.scheduler = Scheduler(
+            self.blocks,
+            self.stats,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            kv_transfer=self.kv_transfer,
+        )
+        self.requests: dict[str, Request] = {}  # unfinished, by id
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already being served")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Stop serving a request and free its blocks; None if it is unknown or done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort(request)
+        request.finish_reason = "abort"
+        request.metrics.finished_time = time.perf_counter()
+        self.stats.num_aborted_requests += 1
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[Request]:
+        """One forward step; returns the requests that drew a token (finished ones included)."""
+        if not self.requests:
+            return []
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("scheduler made no progress (KV cache exhausted)")
+        inputs = step_inputs_for(batch, self.block_size)
+        with torch.inference_mode():
+            logits = self.step_fn(
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_caches,
+                inputs.meta,
+                inputs.logits_indices,
+            )
+        sampling = [s.request for s in batch if s.end >= s.request.num_tokens]
+        drawn = sample(logits, sampling)
+        now = time.perf_counter()
+        for seq in batch:
+            request = seq.request
+            request.num_computed_tokens = seq.end
+            self.stats.computed_prompt_tokens += max(
+                min(seq.end, request.num_prompt_tokens) - seq.start, 0
+            )
+            self.scheduler.register_computed_blocks(request)
+            self.scheduler.save_prompt(request)
+        for request, choice in zip(sampling, drawn, strict=True):
+            self._append(request, choice, now)
+        self.stats.num_steps += 1
+        self.stats.busy_seconds += time.perf_counter() - started
+        return sampling
+
+    def _append(self, request: Request, choice: Sample, now: float) -> None:
+        request.output_token_ids.append(choice.token_id)
+        request.cumulative_logprob += choice.logprob
+        if choice.top_logprobs is not None:
+            request.output_logprobs.append(choice.top_logprobs)
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.num_output_tokens += 1
+        self.stats.generation_tokens += 1
+        request.finish_reason = self._finish_reason(request, choice.token_id)
+        if request.finished:
+            metrics.finished_time = now
+            self.scheduler.finish(request)
+            del self.requests[request.request_id]
+            self.stats.num_finished_requests += 1
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.config.eos_token_ids
+        ):
+            return "stop"
+        if (
+            len(request.output_token_ids) >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return "length"
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        return self.stats.as_dict(self.blocks.num_free_blocks, self.blocks.num_usable_blocks)
+
+    def close(self) -> None:
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
