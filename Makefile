@@ -37,11 +37,15 @@ run: install
 	$(VENV)/bin/mlafx run
 
 # Debian tools the tests use: graphviz draws `mlafx inspect --html` graphs, headless
-# chromium renders that report. Installed once (as root, like CI); skipped when present.
+# chromium renders that report, redis-server backs the redis:// KV-store tests (each test
+# session starts its own on a free loopback port). Installed once (as root, like CI);
+# skipped when present; redone when this Makefile changes the list.
 system-deps: $(STAMPS)/system-deps
-$(STAMPS)/system-deps:
-	if ! command -v dot >/dev/null || ! command -v chromium >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz chromium; \
+$(STAMPS)/system-deps: Makefile
+	if ! command -v dot >/dev/null || ! command -v chromium >/dev/null \
+		|| ! command -v redis-server >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			graphviz chromium redis-server; \
 	fi
 	mkdir -p $(STAMPS) && touch $@
 

@@ -1,0 +1,139 @@
+"""``StoreConnector``: the ``KVConnector`` contract over any store of named byte blobs.
+
+The backends (``disk``, ``redis_store``) only keep bytes under names; this module decides
+what a chunk is, names it, encodes it (``chunk_codec``) and copies its rows in and out of the
+engine's caches. Chunk ``c`` covers prompt blocks ``c*chunk_blocks .. (c+1)*chunk_blocks-1``
+and is named after its last block's chained key (which names the whole prefix) and the chunk
+size: ``<key hex>.c<chunk_blocks>``. A backend adds the fingerprint as a namespace.
+
+Failure policy: bad arguments are the engine's bug and raise ``ValueError``; anything wrong
+with stored data (missing, corrupt, foreign) is a miss with a warning, and the bad entry is
+discarded so the next ``save`` replaces it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from mlafx.runtime.block_hash import BlockHash
+from mlafx.runtime.kv_connector.base import KVConnector
+from mlafx.runtime.kv_connector.chunk_codec import (
+    ChunkDecodeError,
+    ChunkSpec,
+    decode_chunk,
+    encode_chunk,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ChunkStore(Protocol):
+    """Named byte blobs in one fingerprint's namespace. After construction no method raises
+    for a backend failure (I/O error, lost connection): it logs a warning and reports a
+    miss (``exists`` False, ``get`` None) or drops the write."""
+
+    def exists(self, names: Sequence[str]) -> list[bool]: ...
+
+    def get(self, name: str) -> bytes | None: ...
+
+    def put(self, name: str, data: bytes) -> None:
+        """Store ``data`` whole or not at all; a concurrent reader sees the old state or
+        the new one, never a part."""
+
+    def discard(self, name: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StoreConnector(KVConnector):
+    """Whole chunks of latent blocks kept in a ``ChunkStore``."""
+
+    def __init__(
+        self, store: ChunkStore, fingerprint: str, block_size: int, chunk_tokens: int
+    ) -> None:
+        super().__init__(fingerprint, block_size, chunk_tokens)
+        self.store = store
+
+    def lookup(self, keys: Sequence[BlockHash]) -> int:
+        present = self.store.exists(self._chunk_names(keys))
+        leading = next((c for c, hit in enumerate(present) if not hit), len(present))
+        return leading * self.chunk_blocks
+
+    def load(
+        self,
+        keys: Sequence[BlockHash],
+        first: int,
+        caches: list[torch.Tensor],
+        block_ids: Sequence[int],
+    ) -> int:
+        if not 0 <= first <= len(keys):
+            raise ValueError(f"first={first} is outside the {len(keys)} keys")
+        if len(block_ids) != len(keys) - first:
+            raise ValueError(
+                f"{len(block_ids)} block ids for {len(keys) - first} blocks (keys[{first}:])"
+            )
+        self._check_caches(caches)
+        cb = self.chunk_blocks
+        loaded = 0
+        for chunk in range(first // cb, len(keys) // cb):
+            name = self._chunk_name(keys, chunk)
+            data = self.store.get(name)
+            if data is None:
+                log.warning("KV store %s: chunk %s vanished; loading stops", self.store, name)
+                break
+            spec = ChunkSpec.for_caches(self.fingerprint, keys[(chunk + 1) * cb - 1], cb, caches)
+            try:
+                layers = decode_chunk(spec, data)
+            except ChunkDecodeError as e:
+                log.warning("KV store %s: chunk %s is unusable (%s); a miss", self.store, name, e)
+                self.store.discard(name)
+                break
+            skip = max(first - chunk * cb, 0)  # blocks of this chunk before `first`
+            dst = torch.tensor(block_ids[loaded : loaded + cb - skip], dtype=torch.int64)
+            for cache, rows in zip(caches, layers, strict=True):
+                cache.index_copy_(0, dst, rows[skip:])
+            loaded += cb - skip
+        return loaded
+
+    def save(
+        self, keys: Sequence[BlockHash], caches: list[torch.Tensor], block_ids: Sequence[int]
+    ) -> None:
+        if len(block_ids) != len(keys):
+            raise ValueError(f"{len(block_ids)} block ids for {len(keys)} keys")
+        self._check_caches(caches)
+        cb = self.chunk_blocks
+        names = self._chunk_names(keys)
+        for chunk, (name, present) in enumerate(zip(names, self.store.exists(names), strict=True)):
+            if present:
+                continue
+            src = torch.tensor(block_ids[chunk * cb : (chunk + 1) * cb], dtype=torch.int64)
+            spec = ChunkSpec.for_caches(self.fingerprint, keys[(chunk + 1) * cb - 1], cb, caches)
+            self.store.put(
+                name, encode_chunk(spec, [cache.index_select(0, src) for cache in caches])
+            )
+
+    def close(self) -> None:
+        self.store.close()
+
+    def _chunk_names(self, keys: Sequence[BlockHash]) -> list[str]:
+        """Names of the whole chunks of ``keys``, in prompt order."""
+        return [self._chunk_name(keys, c) for c in range(len(keys) // self.chunk_blocks)]
+
+    def _chunk_name(self, keys: Sequence[BlockHash], chunk: int) -> str:
+        return f"{keys[(chunk + 1) * self.chunk_blocks - 1].hex()}.c{self.chunk_blocks}"
+
+    def _check_caches(self, caches: list[torch.Tensor]) -> None:
+        if not caches:
+            raise ValueError("no caches given")
+        for i, cache in enumerate(caches):
+            if cache.dim() != 3 or cache.shape[1] != self.block_size:
+                raise ValueError(
+                    f"cache {i} is {tuple(cache.shape)}; expected [num_blocks, "
+                    f"{self.block_size}, Lkv+R]"
+                )
+        if len({cache.dtype for cache in caches}) != 1:
+            raise ValueError("caches of different dtypes")
