@@ -105,7 +105,7 @@ def test_lookup_counts_only_leading_whole_chunks(spec):
     other = prompt_keys(2 * cb, block_size, seed=7)
     assert conn.lookup(other) == 0
 
-    conn.store.discard(conn._chunk_name(keys, 0))  # a hole at the start hides what follows
+    conn.store.discard(conn.chunk_names(keys)[0])  # a hole at the start hides what follows
     assert conn.lookup(keys) == 0
     conn.save(keys, caches, list(range(3 * cb)))  # fills chunk 0 and adds chunk 2
     assert conn.lookup(keys) == 3 * cb
@@ -149,7 +149,7 @@ def test_a_corrupt_entry_is_a_miss_with_a_warning(spec, corruption, caplog):
     src = random_caches(3 * cb, block_size, torch.float32)
     conn = connect(spec, new_fingerprint(), block_size)
     conn.save(keys, src, list(range(3 * cb)))
-    names = conn._chunk_names(keys)
+    names = conn.chunk_names(keys)
     bad = CORRUPTIONS[corruption](conn.store.get(names[1]), conn.store.get(names[2]))
     conn.store.put(names[1], bad)
 
@@ -232,7 +232,7 @@ def _save_worker(root: str, fingerprint: str, barrier, rounds: int) -> None:
     conn = connect(f"disk:{root}", fingerprint, 16)
     barrier.wait()
     conn.save(keys, _concurrent_rows(), list(range(len(keys))))
-    chunks = {name: conn.store.get(name) for name in conn._chunk_names(keys)}
+    chunks = {name: conn.store.get(name) for name in conn.chunk_names(keys)}
     for _ in range(rounds):  # then rewrite every chunk file over and over
         for name, data in chunks.items():
             if data is not None:

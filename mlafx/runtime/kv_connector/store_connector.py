@@ -59,7 +59,7 @@ class StoreConnector(KVConnector):
         self.store = store
 
     def lookup(self, keys: Sequence[BlockHash]) -> int:
-        present = self.store.exists(self._chunk_names(keys))
+        present = self.store.exists(self.chunk_names(keys))
         leading = next((c for c, hit in enumerate(present) if not hit), len(present))
         return leading * self.chunk_blocks
 
@@ -106,7 +106,7 @@ class StoreConnector(KVConnector):
             raise ValueError(f"{len(block_ids)} block ids for {len(keys)} keys")
         self._check_caches(caches)
         cb = self.chunk_blocks
-        names = self._chunk_names(keys)
+        names = self.chunk_names(keys)
         for chunk, (name, present) in enumerate(zip(names, self.store.exists(names), strict=True)):
             if present:
                 continue
@@ -119,7 +119,7 @@ class StoreConnector(KVConnector):
     def close(self) -> None:
         self.store.close()
 
-    def _chunk_names(self, keys: Sequence[BlockHash]) -> list[str]:
+    def chunk_names(self, keys: Sequence[BlockHash]) -> list[str]:
         """Names of the whole chunks of ``keys``, in prompt order."""
         return [self._chunk_name(keys, c) for c in range(len(keys) // self.chunk_blocks)]
 
