@@ -1,7 +1,7 @@
 """Engines sharing a KV store: a second engine in another process reloads a 300-token
 prompt's first 256 tokens from ``disk:`` or a real ``redis://`` server and generates the
 same greedy tokens; a corrupt entry, or a store written for another dtype or block size, is
-a miss with unchanged tokens."""
+a miss with unchanged tokens; an unusable store stops the engine at start-up."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from mlafx.runtime.kv_connector import KVConnectorError
 from tests.kv_engine_worker import serve
-from tests.redis_server import redis_server
+from tests.redis_server import free_port, redis_server
+from tests.tiny_models import tiny_llm
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = [random.Random(0).randrange(2, 256) for _ in range(300)]
@@ -70,3 +72,16 @@ def test_a_store_of_another_dtype_or_block_size_is_a_miss(tmp_path, other):
     serve(spec, PROMPT)
     assert serve(spec, PROMPT, **other)["external_hit_tokens"] == 0
     assert len(list(tmp_path.iterdir())) == 2  # each cache fingerprint has its own folder
+
+
+def test_an_unusable_store_fails_at_engine_start_up(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    bad_specs = {
+        "s3://bucket": "expected disk:PATH or redis://HOST:PORT",
+        f"disk:{blocker}/store": "cannot be created or written",
+        f"redis://127.0.0.1:{free_port()}": "does not answer",
+    }
+    for bad, message in bad_specs.items():
+        with pytest.raises(KVConnectorError, match=message):
+            tiny_llm(kv_connector=bad)
