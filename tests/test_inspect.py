@@ -20,16 +20,34 @@ def test_inspect_json_lists_one_site_per_layer_and_the_ops_it_lowered_to(capsys)
     assert main(["inspect", *MODEL_FLAGS, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [s["layer"] for s in report["sites"]] == [0, 1]
-    assert all(
-        s["lowered_to"] == ["mlafx::write_latent_cache", "mlafx::mla_attention_paged"]
-        for s in report["sites"]
-    )
+    for site in report["sites"]:
+        assert site["lowered_to"] == [
+            "mlafx::write_latent_cache",
+            "mlafx::mla_attention_paged",
+            "mlafx::varlen_attention",
+            "mlafx::merge_attn_states",
+        ]
+        assert site["paths"] == {
+            "cache_write": ["mlafx::write_latent_cache"],
+            "absorbed": ["mlafx::mla_attention_paged"],
+            "split": [
+                "mlafx::varlen_attention",
+                "mlafx::mla_attention_paged",
+                "mlafx::merge_attn_states",
+            ],
+        }
     assert report["verify"]["ok"] and report["refused"] == []
+    coverage = report["verify"]["sample_coverage"]
+    assert coverage["absorbed_prefills_with_context"] and coverage["split_prefills_with_context"]
     names = [s["name"] for s in report["stages"]]
     assert names == ["captured", "find_mla_attention", "lower_attention", "verify"]
     diff = report["stages"][2]["diff_from_previous"]
     assert diff["aten.scaled_dot_product_attention.default"] == -2
-    assert diff["mlafx.mla_attention_paged.default"] == 2
+    assert diff["aten.index_copy_.default"] == -2
+    assert diff["mlafx.write_latent_cache.default"] == 2
+    assert diff["mlafx.mla_attention_paged.default"] == 4
+    assert diff["mlafx.varlen_attention.default"] == 2
+    assert diff["mlafx.merge_attn_states.default"] == 2
 
 
 def test_inspect_text_shows_one_stage_with_its_graph(capsys):
@@ -37,6 +55,8 @@ def test_inspect_text_shows_one_stage_with_its_graph(capsys):
     out = capsys.readouterr().out
     assert "== stage lower_attention" in out and "== stage captured" not in out
     assert "torch.ops.mlafx.mla_attention_paged.default(" in out
+    assert "torch.ops.mlafx.varlen_attention.default(" in out
+    assert "absorbed rows: mlafx::mla_attention_paged; split rows: mlafx::varlen_attention" in out
 
 
 @pytest.mark.skipif(
@@ -72,3 +92,4 @@ def test_inspect_html_renders_every_stage_in_headless_chromium(tmp_path, capsys)
     for stage in ("captured", "find_mla_attention", "lower_attention", "verify"):
         assert f'id="stage-{stage}"' in dom
     assert dom.count("<svg") >= 4 and "mlafx::mla_attention_paged" in dom
+    assert "split rows: mlafx::varlen_attention + mlafx::mla_attention_paged" in dom

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mlafx.graph.capture import capture_step, num_sample_blocks, sample_step_inputs
+from mlafx.models.attention_path import AttentionPath
 from mlafx.models.step import SequenceSpan, build_step_inputs
 from mlafx.passes.find_mla_attention import find_mla_sites
 from mlafx.passes.pipeline import lower_step_graph, op_histogram
@@ -19,6 +21,9 @@ DENSE = {**TINY_OVERRIDES, "n_routed_experts": 0}
 SDPA = "aten.scaled_dot_product_attention.default"
 WRITE = "mlafx.write_latent_cache.default"
 PAGED = "mlafx.mla_attention_paged.default"
+VARLEN = "mlafx.varlen_attention.default"
+MERGE = "mlafx.merge_attn_states.default"
+ATTENTION_OPS = (SDPA, "aten.index_copy_.default", WRITE, PAGED, VARLEN, MERGE)
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +50,9 @@ def test_capture_keeps_the_step_dynamic_down_to_one_token(llm, captured):
         [SequenceSpan([7], 9, 10, [1, 2, 4])],  # a decode over context
         [SequenceSpan(list(range(2, 9)), 2, 9, [5, 6, 7]), SequenceSpan([4], 3, 4, [8])],
     ]
-    for spans in steps:
-        inputs = build_step_inputs(spans, llm.block_size)
+    # every path sub-batch empty once, and holding one or several rows/sequences
+    for spans, threshold in itertools.product(steps, (None, 2.0)):
+        inputs = build_step_inputs(spans, llm.block_size, threshold)
         args = (inputs.input_ids, inputs.positions)
         want_caches = random_caches(llm.kv_caches, seed=1)
         got_caches = [c.clone() for c in want_caches]
@@ -73,21 +79,29 @@ def test_lowering_op_counts_and_numerics(llm, captured):
     sample = sample_step_inputs(llm.block_size, llm.config.vocab_size)
     result = lower_step_graph(captured.module(), sample, sample_caches(llm))
     assert result.verify_error is None and result.verify.max_abs_logit_diff < 1e-4
+    # the sample step sends prefill rows with context down both paths
+    assert result.verify.coverage == {
+        "absorbed_decodes": 2,
+        "absorbed_prefills_with_context": 1,
+        "absorbed_fresh_prefills": 1,
+        "split_prefills_with_context": 2,
+        "split_fresh_prefills": 1,
+    }
     before, after = result.stages[0].ops, result.stages[-1].ops
-    assert (before[SDPA], before["aten.index_copy_.default"], before[WRITE], before[PAGED]) == (
-        layers,
-        layers,
-        0,
-        0,
-    )
-    assert (after[SDPA], after["aten.index_copy_.default"], after[WRITE], after[PAGED]) == (
-        0,
-        0,
-        layers,
-        layers,
-    )
-    # the only gather left is lm_head's selection of the sampled rows
-    assert after["aten.index_select.default"] == 1
+    assert [before[op] for op in ATTENTION_OPS] == [layers, layers, 0, 0, 0, 0]
+    # per layer: one cache write; mla_attention_paged for the absorbed rows and for the split
+    # rows' context half; varlen_attention for their new rows; merge_attn_states
+    assert [after[op] for op in ATTENTION_OPS] == [0, 0, layers, 2 * layers, layers, layers]
+    # no gather of cache rows is left: per layer 10 selections of sub-batch rows (q_nope and
+    # q_pe of each of the three sub-batches, kv_c and k_pe of the split rows, the suffix's
+    # output and LSE at the rows with context), 3 of sub-batch positions shared by all layers,
+    # and lm_head's selection of the sampled rows
+    assert after["aten.index_select.default"] == 10 * layers + 3 + 1
+    # two scatters into token order and one of the merged rows into the split result
+    assert after["aten.index_copy.default"] == 3 * layers
+    assert [lo.split for lo in result.lowerings] == [
+        ("mlafx::varlen_attention", "mlafx::mla_attention_paged", "mlafx::merge_attn_states")
+    ] * layers
     # W_UK/W_UV are views of kv_b_proj.weight: no new constants
     assert not [n for n in result.graph.graph.nodes if n.op == "get_attr" and "absorb" in n.name]
 
@@ -101,6 +115,18 @@ def test_verify_rejects_a_wrong_rewrite(llm, captured):
 
     with pytest.raises(VerificationError, match="logits differ"):
         verify_rewrite(original, off_by_scale, sample, random_caches(sample_caches(llm)))
+
+
+def test_verify_refuses_a_sample_that_leaves_a_path_unchecked(llm, captured):
+    """A sample whose prefill rows with context are all absorbed never checks the split."""
+    spans = [
+        SequenceSpan([3, 4, 5], 2, 5, [1, 2], path=AttentionPath.ABSORBED),
+        SequenceSpan([6, 7], 0, 2, [3], path=AttentionPath.SPLIT),
+    ]
+    sample = build_step_inputs(spans, llm.block_size)
+    module = captured.module()
+    with pytest.raises(VerificationError, match="no split prefills with context"):
+        verify_rewrite(module, module, sample, random_caches(sample_caches(llm)))
 
 
 class SoftCappedAttention(torch.nn.Module):
@@ -136,7 +162,7 @@ def test_compiled_engine_matches_the_reference(llm, tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("compiled")
     reference = tiny_llm(hf_overrides=DENSE)
     compiled = tiny_llm(hf_overrides=DENSE, compile=True, compile_cache_dir=cache_dir)
-    assert op_histogram(compiled.compiled.lowering.graph)[PAGED] == 2
+    assert op_histogram(compiled.compiled.lowering.graph)[PAGED] == 4
     prompts = [[5, 6, 7, 8, 9], [3], list(range(10, 50))]
     params = mlafx.SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
     want = reference.generate(prompts, params)

@@ -22,7 +22,7 @@ import torch
 from mlafx.graph.capture import capture_step, sample_step, step_dynamic_shapes
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.step import CACHE_LAYOUT_VERSION, StepMetadata
-from mlafx.passes.pipeline import LoweringResult, lower_step_graph
+from mlafx.passes.pipeline import LoweringResult, lower_step_graph, lowering_source_sha256
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def package_key(model: MLAForCausalLM, block_size: int) -> str:
         "mlafx": mlafx.__version__,
         "kernels": _build_info.CSRC_SHA256,
         "layout": CACHE_LAYOUT_VERSION,
+        "lowering": lowering_source_sha256(),  # model, capture and passes sources
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 

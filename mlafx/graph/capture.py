@@ -6,10 +6,13 @@ in-place ``index_copy_`` into the cache as single nodes, which is what the MLA m
 
     T  new tokens       input_ids, positions, slot_mapping, query_seq_ids
     B  sequences        block_table rows, kv_lens; B+1 for query_start_loc
-    M  block-table columns
+    M  block-table columns (every block table)
     K  key rows read    key_seq_ids, key_positions
     S  sampled tokens   logits_indices
     NB cache blocks     every cache's first dim
+    TA, BA  absorbed sub-batch rows, sequences    (absorbed_*)
+    TS, BS  split sub-batch rows, sequences       (split_*)
+    TC, BC  context-half rows, sequences          (context_*)
 The block size (the caches' second dim) and all model dimensions are static. Tracing runs
 under ``backed_size_oblivious`` so that sizes 0 and 1 are not specialised away (a decode
 step has T = 1).
@@ -26,39 +29,82 @@ from collections.abc import Iterator
 import torch
 from torch.export import Dim, ExportedProgram
 
+from mlafx.models.attention_path import AttentionPath
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.moe import RoutedExperts
 from mlafx.models.step import SequenceSpan, StepInputs, build_step_inputs
 
+# The sample step: (context rows, new tokens, path, draws a token) per sequence. Every kind of
+# row on both paths, with the path fixed (not left to the cost rule): an absorbed prefill
+# with context, absorbed decodes, an absorbed fresh prefill, split prefills with context, a
+# split fresh prefill, and a non-final prompt chunk (draws no token). Each dynamic extent
+# gets a distinct size >= 2, so none is specialised or tied to another while tracing.
+_ABSORBED, _SPLIT = AttentionPath.ABSORBED, AttentionPath.SPLIT
+SAMPLE_SEQUENCES = (
+    (3, 4, _ABSORBED, True),
+    (6, 3, _SPLIT, True),
+    (0, 6, _SPLIT, True),
+    (10, 1, _ABSORBED, True),
+    (2, 2, _SPLIT, False),
+    (5, 1, _ABSORBED, True),
+    (0, 2, _ABSORBED, True),
+)
+
+
+def _sample_blocks(seq: int, num_tokens: int, block_size: int) -> list[int]:
+    """Blocks interleaved across the sample's sequences (never contiguous; block 0 unused)."""
+    return [1 + seq + len(SAMPLE_SEQUENCES) * i for i in range(-(-num_tokens // block_size))]
+
 
 def sample_step_inputs(block_size: int, vocab_size: int) -> StepInputs:
-    """A small but general step to trace with: a prefill row with context (3 cached
-    tokens, 4 new), a fresh prefill and a decode, spread over non-contiguous blocks."""
-
-    def blocks_for(first: int, num_tokens: int) -> list[int]:
-        return [first + 2 * i for i in range(-(-num_tokens // block_size))]
-
+    """A small but general step to trace and verify with (``SAMPLE_SEQUENCES``)."""
     spans = [
-        SequenceSpan([(7 * i) % vocab_size for i in range(3, 7)], 3, 7, blocks_for(1, 7)),
-        SequenceSpan([(5 * i + 1) % vocab_size for i in range(5)], 0, 5, blocks_for(2, 5)),
-        SequenceSpan([11 % vocab_size], 8, 9, blocks_for(2 + 2 * 8, 9)),
+        SequenceSpan(
+            [(7 * seq + 3 * i + 1) % vocab_size for i in range(new)],
+            context,
+            context + new,
+            _sample_blocks(seq, context + new, block_size),
+            sample=sample,
+            path=path,
+        )
+        for seq, (context, new, path, sample) in enumerate(SAMPLE_SEQUENCES)
     ]
     return build_step_inputs(spans, block_size)
 
 
 def num_sample_blocks(block_size: int) -> int:
     """Cache blocks the sample step addresses (its block ids are below this)."""
-    return 2 + 2 * 8 + 2 * (-(-9 // block_size)) + 1
+    longest = max(context + new for context, new, _, _ in SAMPLE_SEQUENCES)
+    return 1 + len(SAMPLE_SEQUENCES) * -(-longest // block_size)
 
 
 def step_dynamic_shapes(num_layers: int) -> dict[str, object]:
     t, b, m, k, s, nb = (Dim(n) for n in ("T", "B", "M", "K", "S", "NB"))
+    ta, ba, ts, bs, tc, bc = (Dim(n) for n in ("TA", "BA", "TS", "BS", "TC", "BC"))
     return {
         "input_ids": {0: t},
         "positions": {0: t},
         "caches": [{0: nb}] * num_layers,
         # StepMetadata fields, in declaration order
-        "meta": [{0: t}, {0: t}, {0: b, 1: m}, {0: b}, {0: b + 1}, {0: k}, {0: k}],
+        "meta": [
+            {0: t},  # slot_mapping
+            {0: t},  # query_seq_ids
+            {0: b, 1: m},  # block_table
+            {0: b},  # kv_lens
+            {0: b + 1},  # query_start_loc
+            {0: k},  # key_seq_ids
+            {0: k},  # key_positions
+            {0: ta},  # absorbed_token_index
+            {0: ba, 1: m},  # absorbed_block_table
+            {0: ba},  # absorbed_kv_lens
+            {0: ba + 1},  # absorbed_query_start_loc
+            {0: ts},  # split_token_index
+            {0: bs + 1},  # split_cu_seqlens
+            {0: tc},  # context_split_rows
+            {0: bc, 1: m},  # context_block_table
+            {0: bc},  # context_lens
+            {0: bc + 1},  # context_query_start_loc
+        ],
         "logits_indices": {0: s},
     }
 

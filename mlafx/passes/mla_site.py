@@ -44,6 +44,17 @@ class MLASite:
 
 
 @dataclass(frozen=True)
+class SiteLowering:
+    """What ``lower_attention`` made of one site: the ``mlafx::`` ops, in graph order, that
+    write the cache, that the absorbed rows run, and that the split rows run."""
+
+    layer: int
+    cache_write: tuple[str, ...]
+    absorbed: tuple[str, ...]
+    split: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Refusal:
     """A candidate the matcher looked at and did not rewrite, with the reason."""
 

@@ -1,21 +1,26 @@
 """The pass pipeline: one explicit, ordered list (no registration by import).
 
     find_mla_attention  -> MLASite records (and logged refusals)
-    lower_attention     -> write_latent_cache + absorbed mla_attention_paged per site
-                           (uses absorb_weights for the W_UK/W_UV views)
+    lower_attention     -> per site: write_latent_cache; mla_attention_paged for the
+                           absorbed rows; varlen_attention + mla_attention_paged (context)
+                           + merge_attn_states for the split rows (absorb_weights: the
+                           W_UK/W_UV views)
     cleanup             -> dead-code elimination, lint, recompile
-    verify              -> numeric check against the captured graph; a mismatch keeps the
-                           captured graph and reports why
+    verify              -> numeric check against the captured graph on a sample step whose
+                           rows take both paths; a mismatch keeps the captured graph and
+                           reports why
 Each stage's graph is kept (for ``mlafx inspect``) with its op histogram and time.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import fx
@@ -24,10 +29,33 @@ from mlafx.models.step import StepInputs
 from mlafx.passes.find_mla_attention import find_mla_sites
 from mlafx.passes.graph_utils import finish
 from mlafx.passes.lower_attention import lower_attention
-from mlafx.passes.mla_site import MLASite, Refusal
+from mlafx.passes.mla_site import MLASite, Refusal, SiteLowering
 from mlafx.passes.verify import VerificationError, VerifyReport, random_caches, verify_rewrite
 
 log = logging.getLogger(__name__)
+
+
+# Sources of those layers that never shape the step graph (weight loading, reports).
+_NOT_IN_GRAPH = {
+    "models/weights.py",
+    "models/loader.py",
+    "passes/report.py",
+    "passes/report_html.py",
+}
+
+
+def lowering_source_sha256() -> str:
+    """sha256 of the Python sources that decide the lowered step graph: the model
+    (``models/``), its capture (``graph/``) and these passes. Compiled packages are keyed on
+    it, so changing any of them never loads a stale package."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for layer in ("models", "graph", "passes"):
+        for path in sorted((package / layer).glob("*.py")):
+            if f"{layer}/{path.name}" in _NOT_IN_GRAPH:
+                continue
+            digest.update(f"{layer}/{path.name}".encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def op_histogram(gm: fx.GraphModule) -> Counter[str]:
@@ -51,6 +79,7 @@ class LoweringResult:
     graph: fx.GraphModule  # the final graph (the captured one if verification failed)
     sites: list[MLASite]
     refusals: list[Refusal]
+    lowerings: list[SiteLowering]  # what each site was lowered to (before verification)
     stages: list[Stage] = field(default_factory=list)
     verify: VerifyReport | None = None
     verify_error: str | None = None
@@ -71,12 +100,12 @@ def lower_step_graph(
     stages.append(Stage("find_mla_attention", copy.deepcopy(gm), seconds))
 
     start = time.perf_counter()
-    lowered = lower_attention(gm, sites)
+    lowerings = lower_attention(gm, sites)
     finish(gm)
-    stages.append(Stage("lower_attention", gm, time.perf_counter() - start, lowered))
+    stages.append(Stage("lower_attention", gm, time.perf_counter() - start, len(lowerings)))
 
     start = time.perf_counter()
-    result = LoweringResult(gm, sites, refusals, stages)
+    result = LoweringResult(gm, sites, refusals, lowerings, stages)
     try:
         result.verify = verify_rewrite(captured, gm, sample, random_caches(sample_caches))
     except VerificationError as error:

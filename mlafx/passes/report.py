@@ -31,6 +31,22 @@ def stage_report(stage: Stage, previous: Stage | None, with_graph: bool) -> dict
     return report
 
 
+def site_lowering(result: LoweringResult, layer: int) -> dict[str, Any]:
+    """The ops a site runs per attention path (empty when the rewrite was rejected)."""
+    if result.verify_error:
+        return {"lowered_to": [], "paths": {}}
+    lowering = next(lo for lo in result.lowerings if lo.layer == layer)
+    ops = lowering.cache_write + lowering.absorbed + lowering.split
+    return {
+        "lowered_to": list(dict.fromkeys(ops)),  # every custom op, once, in graph order
+        "paths": {
+            "cache_write": list(lowering.cache_write),
+            "absorbed": list(lowering.absorbed),
+            "split": list(lowering.split),
+        },
+    }
+
+
 def lowering_report(result: LoweringResult, *, with_graphs: bool = False) -> dict[str, Any]:
     stages = result.stages
     return {
@@ -46,11 +62,7 @@ def lowering_report(result: LoweringResult, *, with_graphs: bool = False) -> dic
                 "qk_nope_head_dim": s.qk_nope_head_dim,
                 "v_head_dim": s.v_head_dim,
                 "scale": s.scale,
-                "lowered_to": (
-                    []
-                    if result.verify_error
-                    else ["mlafx::write_latent_cache", "mlafx::mla_attention_paged"]
-                ),
+                **site_lowering(result, s.layer),
             }
             for s in result.sites
         ],
@@ -58,7 +70,11 @@ def lowering_report(result: LoweringResult, *, with_graphs: bool = False) -> dic
         "verify": (
             {"ok": False, "error": result.verify_error}
             if result.verify_error
-            else {"ok": True, "max_abs_logit_diff": result.verify.max_abs_logit_diff}
+            else {
+                "ok": True,
+                "max_abs_logit_diff": result.verify.max_abs_logit_diff,
+                "sample_coverage": result.verify.coverage,
+            }
             if result.verify
             else None
         ),
@@ -67,6 +83,17 @@ def lowering_report(result: LoweringResult, *, with_graphs: bool = False) -> dic
             for i, stage in enumerate(stages)
         ],
     }
+
+
+def describe_paths(site: dict[str, Any]) -> str:
+    """One line: the cache write and the ops of each attention path."""
+    paths = site["paths"]
+    if not paths:
+        return "not lowered"
+    return (
+        f"{' + '.join(paths['cache_write'])}; absorbed rows: {' + '.join(paths['absorbed'])}; "
+        f"split rows: {' + '.join(paths['split'])}"
+    )
 
 
 def format_text(report: dict[str, Any], stage: str | None = None) -> str:
@@ -86,10 +113,9 @@ def format_text(report: dict[str, Any], stage: str | None = None) -> str:
         if "graph" in entry:
             lines.append(entry["graph"])
     for site in report["sites"]:
-        lowered = " + ".join(site["lowered_to"]) or "not lowered"
         lines.append(
             f"site layer {site['layer']}: {site['anchor']} (H={site['heads']}, "
-            f"Lkv={site['kv_lora_rank']}, R={site['qk_rope_head_dim']}) -> {lowered}"
+            f"Lkv={site['kv_lora_rank']}, R={site['qk_rope_head_dim']}) -> {describe_paths(site)}"
         )
     for refusal in report["refused"]:
         lines.append(f"refused {refusal['anchor']}: {refusal['reason']}")

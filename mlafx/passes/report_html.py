@@ -11,6 +11,8 @@ from typing import Any
 
 from torch import fx
 
+from mlafx.passes.report import describe_paths
+
 _CSS = """
 body{font-family:sans-serif;margin:2em;max-width:1200px}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px}
@@ -68,7 +70,7 @@ def render_html(report: dict[str, Any], svgs: dict[str, str], title: str) -> str
             f"<tr><td>{s['layer']}</td><td>{s['anchor']}</td><td>{s['heads']}</td>"
             f"<td>{s['kv_lora_rank']}</td><td>{s['qk_rope_head_dim']}</td>"
             f"<td>{s['qk_nope_head_dim']}</td><td>{s['v_head_dim']}</td>"
-            f"<td>{html.escape(' + '.join(s['lowered_to']) or 'not lowered')}</td></tr>"
+            f"<td>{html.escape(describe_paths(s))}</td></tr>"
         )
     out.append("</table><h2>Refused candidates</h2><ul>")
     out += [

@@ -1,10 +1,13 @@
 """Check a rewritten step graph against the original, numerically.
 
 Pattern → replacement: none (a check). Structure cannot prove what a mask does, so both
-graphs run on the same sample step — a prefill row with context, a fresh prefill and a
-decode (decode-only inputs never exercise the causal mask) — from identical caches whose
-context rows hold random latents. Ensures: logits and every cache agree within the dtype's
-tolerance, else ``VerificationError`` names what differs (the caller keeps the original).
+graphs run on the same sample step from identical caches whose context rows hold random
+latents. The lowered graph has two attention paths, chosen per row by the host, so the
+sample must send prefill rows with several new tokens and context down each of them
+(decode-only inputs never exercise the causal mask, and a path no row takes is not
+checked at all); ``path_coverage`` counts what it exercises. Ensures: the sample covers
+both paths, and logits and every cache agree within the dtype's tolerance, else
+``VerificationError`` names what is missing or differs (the caller keeps the original).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlafx.models.step import StepInputs
+from mlafx.models.step import StepInputs, StepMetadata
 
 # |a - b| <= atol + rtol * |b|, per dtype of the caches/model
 TOLERANCES = {
@@ -32,6 +35,30 @@ class VerificationError(RuntimeError):
 class VerifyReport:
     max_abs_logit_diff: float
     max_abs_cache_diff: float
+    coverage: dict[str, int]  # what the sample step exercised (``path_coverage``)
+
+
+def path_coverage(meta: StepMetadata) -> dict[str, int]:
+    """Sequences of each kind the step sends down each attention path."""
+    absorbed_new = meta.absorbed_query_start_loc.diff()
+    absorbed_context = meta.absorbed_kv_lens - absorbed_new
+    split_new = meta.split_cu_seqlens.diff()
+    context_new = meta.context_query_start_loc.diff()
+    return {
+        "absorbed_decodes": int(((absorbed_new == 1) & (absorbed_context > 0)).sum()),
+        "absorbed_prefills_with_context": int(((absorbed_new > 1) & (absorbed_context > 0)).sum()),
+        "absorbed_fresh_prefills": int((absorbed_context == 0).sum()),
+        "split_prefills_with_context": int((context_new > 1).sum()),
+        "split_fresh_prefills": len(split_new) - len(context_new),
+    }
+
+
+def check_coverage(coverage: dict[str, int]) -> None:
+    for kind in ("absorbed_prefills_with_context", "split_prefills_with_context"):
+        if coverage[kind] == 0:
+            raise VerificationError(
+                f"the sample step has no {kind.replace('_', ' ')}: that path would go unchecked"
+            )
 
 
 def random_caches(template: list[torch.Tensor], seed: int = 0) -> list[torch.Tensor]:
@@ -47,9 +74,10 @@ def verify_rewrite(
     sample: StepInputs,
     caches: list[torch.Tensor],
 ) -> VerifyReport:
+    coverage = path_coverage(sample.meta)
+    check_coverage(coverage)
     dtype = caches[0].dtype
     atol, rtol = TOLERANCES[dtype]
-    reports = []
     results = []
     for fn in (original, rewritten):
         own = [c.clone() for c in caches]
@@ -69,5 +97,4 @@ def verify_rewrite(
         if diff > atol:
             raise VerificationError(f"layer {layer}: caches differ by {diff:.3g} after the step")
         cache_diff = max(cache_diff, diff)
-    reports.append(VerifyReport(logit_diff.max().item(), cache_diff))
-    return reports[0]
+    return VerifyReport(logit_diff.max().item(), cache_diff, coverage)

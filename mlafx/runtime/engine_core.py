@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from mlafx.config import ModelConfig
+from mlafx.models.attention_path import absorb_threshold
 from mlafx.runtime.block_manager import BlockManager
 from mlafx.runtime.kv_connector.base import KVConnector
 from mlafx.runtime.kv_transfer import KVTransfer
@@ -97,7 +98,7 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("scheduler made no progress (KV cache exhausted)")
-        inputs = step_inputs_for(batch, self.block_size)
+        inputs = step_inputs_for(batch, self.block_size, absorb_threshold(self.config))
         with torch.inference_mode():
             logits = self.step_fn(
                 inputs.input_ids,

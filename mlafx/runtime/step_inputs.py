@@ -6,7 +6,10 @@ from mlafx.models.step import SequenceSpan, StepInputs, build_step_inputs
 from mlafx.runtime.scheduler import ScheduledSequence
 
 
-def step_inputs_for(batch: list[ScheduledSequence], block_size: int) -> StepInputs:
+def step_inputs_for(
+    batch: list[ScheduledSequence], block_size: int, absorb_threshold: float | None = None
+) -> StepInputs:
+    """``absorb_threshold``: the attention-path cost rule's (``models/attention_path.py``)."""
     spans = [
         SequenceSpan(
             s.request.token_ids(s.start, s.end),
@@ -17,4 +20,4 @@ def step_inputs_for(batch: list[ScheduledSequence], block_size: int) -> StepInpu
         )
         for s in batch
     ]
-    return build_step_inputs(spans, block_size)
+    return build_step_inputs(spans, block_size, absorb_threshold)

@@ -1,0 +1,124 @@
+"""Graph fragments the ``lower_attention`` pass emits for one MLA site: the absorbed pass over
+the paged cache and the split (decompressed suffix + absorbed context, merged) path.
+
+Symbols as in ``mlafx.models.attention``: H heads, Lkv latent width, R rope width, P/V the
+nope/value head widths; ``W_UK`` [H, P, Lkv], ``W_UV`` [H, V, Lkv] (``absorb_weights``).
+Every helper inserts nodes at the graph's current insertion point and returns the node(s)
+holding its result; shape comments give the values' shapes.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+import mlafx.kernels  # noqa: F401  (registers the mlafx ops and their fakes)
+from mlafx.passes.absorb_weights import AbsorbedWeights
+from mlafx.passes.mla_site import MLASite
+
+aten = torch.ops.aten
+mlafx_ops = torch.ops.mlafx
+
+
+@dataclass(frozen=True)
+class Emitter:
+    """Inserts the nodes of one site's lowering."""
+
+    graph: fx.Graph
+    site: MLASite
+    weights: AbsorbedWeights
+
+    def __call__(self, target: object, *args: object, **kwargs: object) -> fx.Node:
+        return self.graph.call_function(target, args, kwargs)  # type: ignore[arg-type]
+
+    def rows(self, tensor: fx.Node, index: fx.Node, dim: int = 0) -> fx.Node:
+        """``tensor`` at host-built indices along ``dim`` (a sub-batch's rows)."""
+        return self(aten.index_select.default, tensor, dim, index)
+
+    def contiguous(self, tensor: fx.Node) -> fx.Node:
+        # An explicit copy: views and reshapes of strided values would make export
+        # specialise on extents of 1 (a decode-only step has one absorbed row).
+        return self(aten.clone.default, tensor, memory_format=torch.contiguous_format)
+
+
+def absorbed_attention(
+    emit: Emitter,
+    q_nope: fx.Node,  # [N, H, P]
+    q_pe: fx.Node,  # [N, H, R]
+    positions: fx.Node,  # [N] int64
+    block_table: fx.Node,  # [B, M] int32
+    kv_lens: fx.Node,  # [B] int32
+    query_start_loc: fx.Node,  # [B + 1] int32
+) -> tuple[fx.Node, fx.Node]:  # out [N, H, V], lse [H, N] fp32
+    """q_lat = [q_nope W_UK | q_pe]; mla_attention_paged; out = out_lat W_UV^T."""
+    site = emit.site
+    q_lat = emit(aten.bmm.default, emit(aten.transpose.int, q_nope, 0, 1), emit.weights.w_uk)
+    query = emit(aten.cat.default, [emit(aten.transpose.int, q_lat, 0, 1), q_pe], -1)
+    attn = emit(
+        mlafx_ops.mla_attention_paged.default,
+        query,  # [N, H, Lkv + R]
+        site.cache,
+        block_table,
+        kv_lens,
+        query_start_loc,
+        positions,
+        site.scale,
+        site.kv_lora_rank,
+    )
+    out_lat = emit(operator.getitem, attn, 0)  # [N, H, Lkv]
+    w_uv_t = emit(aten.transpose.int, emit.weights.w_uv, 1, 2)  # [H, Lkv, V]
+    out = emit(aten.bmm.default, emit(aten.transpose.int, out_lat, 0, 1), w_uv_t)  # [H, N, V]
+    return emit.contiguous(emit(aten.transpose.int, out, 0, 1)), emit(operator.getitem, attn, 1)
+
+
+def decompressed_suffix(
+    emit: Emitter,
+    q_nope: fx.Node,  # [N, H, P]
+    q_pe: fx.Node,  # [N, H, R]
+    kv_c: fx.Node,  # [N, Lkv]  the same tokens' new latent rows
+    k_pe: fx.Node,  # [N, R]
+    cu_seqlens: fx.Node,  # [B + 1] int32, queries and keys alike
+) -> tuple[fx.Node, fx.Node]:  # out [N, H, V], lse [H, N] fp32
+    """k_nope | v = kv_b_proj(kv_c); causal varlen_attention of the new rows over themselves."""
+    site = emit.site
+    h, p, v = site.num_heads, site.qk_nope_head_dim, site.v_head_dim
+    num_rows = emit(aten.sym_size.int, kv_c, 0)
+    kv = emit(aten.linear.default, kv_c, site.kv_b_weight)  # [N, H*(P+V)]
+    kv = emit(aten.view.default, kv, [num_rows, h, p + v])
+    parts = emit(aten.split_with_sizes.default, kv, [p, v], -1)
+    k_nope, value = emit(operator.getitem, parts, 0), emit(operator.getitem, parts, 1)
+    query = emit(aten.cat.default, [q_nope, q_pe], -1)  # [N, H, P + R]
+    attn = emit(
+        mlafx_ops.varlen_attention.default,
+        query,
+        k_nope,  # [N, H, P] (strided: last dim contiguous)
+        k_pe,
+        value,  # [N, H, V] (strided: last dim contiguous)
+        cu_seqlens,
+        cu_seqlens,
+        site.scale,
+        True,  # causal: the new rows see each other up to themselves
+    )
+    return emit(operator.getitem, attn, 0), emit(operator.getitem, attn, 1)
+
+
+def merged_with_context(
+    emit: Emitter,
+    suffix_out: fx.Node,  # [N, H, V]
+    suffix_lse: fx.Node,  # [H, N]
+    rows: fx.Node,  # [NC] int64: the suffix rows whose sequence has context
+    context_out: fx.Node,  # [NC, H, V]
+    context_lse: fx.Node,  # [H, NC]
+) -> fx.Node:  # [N, H, V]
+    """The suffix result with the rows that have context replaced by the LSE merge."""
+    merged = emit(
+        mlafx_ops.merge_attn_states.default,
+        context_out,
+        context_lse,
+        emit.rows(suffix_out, rows),
+        emit.rows(suffix_lse, rows, dim=1),
+    )
+    return emit(aten.index_copy.default, suffix_out, 0, rows, emit(operator.getitem, merged, 0))
