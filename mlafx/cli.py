@@ -21,6 +21,7 @@ import torch
 
 from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES
 from mlafx.runtime import LLM, RequestOutput, SamplingParams
+from mlafx.runtime.kv_connector.base import KVConnectorError
 
 
 def demo_prompts() -> list[list[int]]:
@@ -84,7 +85,43 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_llm(args: argparse.Namespace) -> LLM:
+def add_serving_flags(parser: argparse.ArgumentParser) -> None:
+    """Batching, caching and KV-store flags (``mlafx run``)."""
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="new tokens per step"
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split prompts longer than the step's token budget across steps (default on)",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse computed full KV blocks across requests (default on, any block size)",
+    )
+    parser.add_argument(
+        "--kv-connector",
+        default=None,
+        metavar="SPEC",
+        help="share computed prefixes through a KV store: disk:PATH or redis://HOST:PORT",
+    )
+
+
+def serving_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_chunked_prefill": args.enable_chunked_prefill,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "kv_connector": args.kv_connector,
+    }
+
+
+def build_llm(args: argparse.Namespace, **serving: Any) -> LLM:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, overrides = args.model, args.hf_overrides
@@ -104,12 +141,13 @@ def build_llm(args: argparse.Namespace) -> LLM:
         seed=args.seed,
         progress=sys.stderr.isatty(),
         compile=args.compile,
+        **serving,
     )
 
 
 def summarize(outputs: list[RequestOutput], wall_seconds: float) -> dict[str, Any]:
     """Per-request TTFT, and decode throughput over the whole batch."""
-    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs if o.metrics]
+    ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics]
     first = min(o.metrics.first_token_time for o in outputs if o.metrics)
     last = max(o.metrics.finished_time for o in outputs if o.metrics)
     decode_tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
@@ -124,15 +162,19 @@ def summarize(outputs: list[RequestOutput], wall_seconds: float) -> dict[str, An
 
 def cmd_run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    llm = build_llm(args)
+    llm = build_llm(args, **serving_options(args))
     load_seconds = time.perf_counter() - start
     prompts = args.prompt_token_ids or demo_prompts()
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
     )
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        llm.close()
     stats = summarize(outputs, time.perf_counter() - start)
+    metrics = llm.get_metrics()
     if args.json:
         print(
             json.dumps(
@@ -146,10 +188,14 @@ def cmd_run(args: argparse.Namespace) -> int:
                             "prompt_len": len(o.prompt_token_ids),
                             "token_ids": o.outputs[0].token_ids,
                             "finish_reason": o.outputs[0].finish_reason,
+                            "num_cached_tokens": o.num_cached_tokens,
+                            "ttft_s": o.metrics.time_to_first_token,
+                            "tpot_s": o.metrics.time_per_output_token,
                         }
                         for o in outputs
                     ],
                     **stats,
+                    "metrics": metrics,
                 },
                 indent=2,
             )
@@ -161,15 +207,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{args.dtype}, block size {args.block_size} (loaded in {load_seconds:.1f} s)"
     )
     for i, out in enumerate(outputs):
+        cached = f", {out.num_cached_tokens} cached" if out.num_cached_tokens else ""
         print(
-            f"prompt {i} ({len(out.prompt_token_ids)} tokens) -> {out.outputs[0].token_ids} "
-            f"[{out.outputs[0].finish_reason}]"
+            f"prompt {i} ({len(out.prompt_token_ids)} tokens{cached}) -> "
+            f"{out.outputs[0].token_ids} [{out.outputs[0].finish_reason}]"
         )
     print(
         f"time to first token: median {stats['ttft_median_s'] * 1e3:.1f} ms "
         f"(per prompt: {', '.join(f'{t * 1e3:.1f}' for t in stats['ttft_s'])} ms)"
     )
     print(f"decode: {stats['decode_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tokens/s")
+    tpot = [o.metrics.time_per_output_token for o in outputs]
+    if all(t is not None for t in tpot):
+        print(f"time per output token: median {statistics.median(tpot) * 1e3:.1f} ms")
+    print(
+        f"engine: prefix cache hit rate {metrics['prefix_cache_hit_rate']:.1%}, external "
+        f"hits {metrics['external_hit_tokens']} tokens "
+        f"({metrics['external_cache_hit_rate']:.1%}), {metrics['num_preemptions']} "
+        f"preemptions, prompt {metrics['prompt_tokens_per_s']:.1f} tokens/s, generation "
+        f"{metrics['generation_tokens_per_s']:.1f} tokens/s"
+    )
     return 0
 
 
@@ -231,6 +288,7 @@ def make_parser() -> argparse.ArgumentParser:
         "run", help="generate for a batch of prompts and print the tokens and timings"
     )
     add_model_flags(run)
+    add_serving_flags(run)
     run.add_argument(
         "--prompt-token-ids",
         type=_token_ids,
@@ -272,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError) as e:  # bad input: a clear message, no traceback
+    except (ValueError, TypeError, KVConnectorError) as e:  # bad input: a clear message
         print(f"mlafx {args.command}: error: {e}", file=sys.stderr)
         return 2
 
