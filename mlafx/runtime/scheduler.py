@@ -90,22 +90,20 @@ class Scheduler:
                 break
             if request not in self.running:
                 continue  # preempted earlier in this loop
-            end = request.num_computed_tokens + min(
-                request.num_tokens - request.num_computed_tokens, budget
-            )
+            start = request.num_computed_tokens
+            end = self._chunk_end(request, start, budget)
             while not self._grow(request, end):
-                victim = self.running[-1]
+                victim = self.running[-1]  # the most recently admitted
                 self._preempt(victim)
                 preempted = True
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_tokens
+                dropped = scheduled.pop(victim.request_id, None)
+                if dropped is not None:
+                    budget += dropped.num_tokens
                 if victim is request:
                     break
-            else:
-                scheduled[request.request_id] = ScheduledSequence(
-                    request, request.num_computed_tokens, end
-                )
-                budget -= end - request.num_computed_tokens
+            if request in self.running:  # not preempted itself
+                scheduled[request.request_id] = ScheduledSequence(request, start, end)
+                budget -= end - start
         while (
             not preempted and budget > 0 and self.waiting and len(self.running) < self.max_num_seqs
         ):
@@ -139,9 +137,9 @@ class Scheduler:
         if self.kv_transfer is not None and len(hits) < len(keys):
             num_external = max(self.kv_transfer.lookup(keys) - len(hits), 0)
         start = (len(hits) + num_external) * bs
-        end = self._chunk_end(request, start, budget, alone)
-        if end is None:
-            return None
+        end = self._chunk_end(request, start, budget)
+        if end - start > budget and not alone:
+            return None  # a whole prompt over the budget waits for a step of its own
         needed = -(-end // bs) - len(hits)
         if needed + self.blocks.num_free_among(hits) > self.blocks.num_free_blocks:
             return None
@@ -157,11 +155,10 @@ class Scheduler:
             if loaded < num_external:  # a partial miss: compute the rest from there
                 num_external = loaded
                 start = (len(hits) + loaded) * bs
-                end = self._chunk_end(request, start, budget, alone=True)
-                assert end is not None
-                surplus = request.blocks[-(-end // bs) :]
-                del request.blocks[-(-end // bs) :]
-                self.blocks.free(surplus)
+                end = self._chunk_end(request, start, budget)  # never past the old end
+                keep = -(-end // bs)
+                self.blocks.free(request.blocks[keep:])
+                del request.blocks[keep:]
         request.num_computed_tokens = start
         request.num_registered_blocks = len(hits) + num_external
         if not request.admitted:
@@ -173,12 +170,11 @@ class Scheduler:
             self.stats.external_hit_tokens += num_external * bs
         return ScheduledSequence(request, start, end)
 
-    def _chunk_end(self, request: Request, start: int, budget: int, alone: bool) -> int | None:
-        remaining = request.num_tokens - start
+    def _chunk_end(self, request: Request, start: int, budget: int) -> int:
+        """End of the span computed next from ``start``: the rest of the request's tokens,
+        cut at the budget when chunking."""
         if self.enable_chunked_prefill:
-            return start + min(remaining, budget)
-        if remaining > budget and not alone:
-            return None
+            return start + min(request.num_tokens - start, budget)
         return request.num_tokens
 
     def _preempt(self, request: Request) -> None:
