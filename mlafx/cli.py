@@ -8,6 +8,7 @@ prompts including a ~300-token one. Flags follow vLLM's names.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+import mlafx
 from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES
 from mlafx.runtime import LLM, RequestOutput, SamplingParams
 from mlafx.runtime.kv_connector.base import KVConnectorError
@@ -124,6 +126,8 @@ def serving_options(args: argparse.Namespace) -> dict[str, Any]:
 def build_llm(args: argparse.Namespace, **serving: Any) -> LLM:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if getattr(args, "artifact", None) is not None:
+        return llm_from_artifact(args, **serving)
     model, overrides = args.model, args.hf_overrides
     load_format = args.load_format
     if model is None:
@@ -143,6 +147,77 @@ def build_llm(args: argparse.Namespace, **serving: Any) -> LLM:
         compile=args.compile,
         **serving,
     )
+
+
+def add_artifact_flags(parser: argparse.ArgumentParser) -> None:
+    """``--artifact DIR`` (serve an exported artifact) and ``--engine``."""
+    parser.add_argument(
+        "--artifact",
+        type=Path,
+        default=None,
+        help="serve an artifact written by `mlafx export` (its model, dtype and block size; "
+        "no model code, no compilation)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=["torch", "onnxruntime"],
+        default=None,
+        help="runner for --artifact (default: the format's own; onnxruntime for ONNX)",
+    )
+
+
+def llm_from_artifact(args: argparse.Namespace, **serving: Any) -> LLM:
+    """The engine for ``--artifact``; model-choosing flags are refused (the artifact fixes
+    the model), and args' dtype and block size are set to the artifact's."""
+    given = [f for f in ("model", "load_format", "hf_overrides") if getattr(args, f) is not None]
+    if given:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise ValueError(f"{flags} cannot be combined with --artifact (it fixes the model)")
+    llm = LLM.from_artifact(
+        args.artifact,
+        engine=args.engine,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        seed=args.seed,
+        **serving,
+    )
+    args.dtype, args.block_size = llm.artifact.dtype, llm.block_size
+    return llm
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write an artifact directory (see mlafx/export/artifact.py) and list its files."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, overrides, load_format = args.model, args.hf_overrides, args.load_format
+    if model is None:
+        model = EMBEDDED_DEFAULT_MODEL
+        overrides = {**EMBEDDED_DEFAULT_OVERRIDES, **(overrides or {})}
+        load_format = load_format or "dummy"
+    start = time.perf_counter()
+    manifest = mlafx.export(
+        model,
+        args.output,
+        args.format,
+        load_format=load_format or "auto",
+        hf_overrides=overrides,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        seed=args.seed,
+        progress=sys.stderr.isatty(),
+    )
+    seconds = time.perf_counter() - start
+    if args.json:
+        summary = {"output": str(args.output), "seconds": seconds, **dataclasses.asdict(manifest)}
+        print(json.dumps(summary, indent=2))
+        return 0
+    total = sum(entry["bytes"] for entry in manifest.files.values())
+    print(f"wrote {manifest.format} artifact {args.output} in {seconds:.1f} s:")
+    for name, entry in manifest.files.items():
+        print(f"  {name:<22} {entry['bytes'] / 2**20:9.2f} MiB  sha256 {entry['sha256'][:16]}")
+    print(f"  {'total':<22} {total / 2**20:9.2f} MiB")
+    print(f"serve it: mlafx run --artifact {args.output}")
+    return 0
 
 
 def summarize(outputs: list[RequestOutput], wall_seconds: float) -> dict[str, Any]:
@@ -259,7 +334,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"kernels": "kernels.py", "compiled-step": "compiled_step.py"}
+BENCHMARKS = {"kernels": "kernels.py", "compiled-step": "compiled_step.py", "export": "export.py"}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -298,7 +373,16 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-tokens", type=int, default=16)
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_artifact_flags(run)
     run.set_defaults(func=cmd_run)
+    export = sub.add_parser(
+        "export", help="write an ahead-of-time artifact (aoti, pt2 or onnx) of the model"
+    )
+    add_model_flags(export)
+    export.add_argument("--format", choices=["aoti", "pt2", "onnx"], default="aoti")
+    export.add_argument("--output", type=Path, required=True, help="a new directory")
+    export.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    export.set_defaults(func=cmd_export)
     inspect = sub.add_parser(
         "inspect", help="capture the step graph, run the MLA passes, report every stage"
     )

@@ -127,6 +127,50 @@ class LLM:
                 connector.close()  # we opened it
             raise
 
+    @classmethod
+    def from_artifact(
+        cls,
+        path: str | Path,
+        *,
+        engine: str | None = None,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        kv_connector: str | KVConnector | None = None,
+        seed: int = 0,
+    ) -> LLM:
+        """Serve an artifact written by ``mlafx.export`` (or ``mlafx export``): no model
+        code and no compilation; its files are hash-checked before anything is loaded (see
+        ``mlafx.export.artifact``). The config, dtype and block size come from the artifact.
+        ``engine``: None serves the format's own runner; ``"onnxruntime"`` runs an ONNX
+        artifact."""
+        from mlafx.export.artifact import load_artifact
+
+        loaded = load_artifact(path, engine)
+        options = ServingOptions(
+            block_size=loaded.block_size,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+        )
+        cfg, dtype = loaded.config, loaded.dtype
+        check_fits_in_memory(cfg, dtype, options.num_blocks(cfg, dtype) * loaded.block_size)
+        llm = cls.__new__(cls)
+        llm.model, llm.compiled, llm.artifact = None, None, loaded
+        tokenizer = load_tokenizer(loaded.tokenizer_dir) if loaded.tokenizer_dir else None
+        connector = connect_kv_store(kv_connector, cfg, dtype, loaded.block_size)
+        llm._start(cfg, loaded.step, dtype, options, tokenizer, connector)
+        return llm
+
     def _start(
         self,
         config: ModelConfig,

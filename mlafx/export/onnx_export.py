@@ -1,0 +1,183 @@
+"""The ``onnx`` format: the functional step as an ONNX model that stock onnxruntime runs.
+
+Export: lowered step -> functional step (cache writes become outputs, checked against the
+in-place step) -> ``torch.export`` -> ``torch.onnx.export`` with the mlafx ops translated
+to standard ONNX ops (``onnx_ops.py``) -> ``onnx.checker``. The model's initializers are
+not copied: they are ONNX external data pointing into the artifact's safetensors file
+(whose layout is header, then each tensor's raw little-endian bytes), so one weights file
+serves every format. Initializers the exporter made itself (folded constants) are stored
+inline.
+
+Run (:class:`OnnxStep`): the step ABI around an ORT session; each call feeds the step's
+inputs, gets ``logits`` and one ``[T, Lkv+R]`` row block per layer, and writes the rows
+into the host's paged cache before returning the logits.
+
+Only float32 is exported: onnxruntime's CPU provider has no bfloat16 kernels for most of
+the step's ops.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from mlafx.export.compiled_step import LoweredStep
+from mlafx.export.functional_step import check, make_functional, write_rows
+from mlafx.export.weights import StoredTensor, tensor_locations
+from mlafx.graph.capture import sample_step, step_dynamic_shapes
+
+log = logging.getLogger(__name__)
+ONNX_FILE = "step.onnx"
+_SAFETENSORS_DTYPE = {"F32": 1, "I32": 6, "I64": 7, "F16": 10, "BF16": 16}  # onnx elem types
+
+
+def export_onnx(
+    lowered: LoweredStep, model: torch.nn.Module, block_size: int, directory: Path, weights: str
+) -> dict[str, Any]:
+    """Write ``directory/step.onnx`` (weights referenced in ``directory/weights``); returns
+    the manifest's ``step`` facts."""
+    import onnx
+
+    from mlafx.export.onnx_ops import OPSET, translation_table
+
+    if lowered.sample_args[0].dtype is not torch.int64:
+        raise TypeError("unexpected step signature: input_ids must come first")
+    sample, caches = sample_step(model, block_size)
+    if caches[0].dtype != torch.float32:
+        raise ValueError(
+            f"ONNX export needs dtype float32 (got {caches[0].dtype}): onnxruntime's CPU "
+            "provider lacks bfloat16/float16 kernels for the step's ops"
+        )
+    functional = make_functional(lowered.lowering.graph)
+    report = check(lowered.lowering.graph, functional, sample, caches)
+    log.warning(
+        "onnx: functional step matches the in-place step (logits within %.2g)",
+        report.max_abs_logit_diff,
+    )
+    num_layers = len(caches)
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
+        program = torch.export.export(
+            functional,
+            lowered.sample_args,
+            dynamic_shapes=step_dynamic_shapes(num_layers),
+            strict=False,
+        )
+    log.warning("onnx: translating the step to ONNX opset %d", OPSET)
+    onnx_program = torch.onnx.export(
+        program,
+        dynamo=True,
+        custom_translation_table=translation_table(),
+        opset_version=OPSET,
+        optimize=False,  # folding would copy derived weights (W_UK views...) into the model
+        verbose=False,
+    )
+    tmp = directory / "step.tmp.onnx"
+    onnx_program.save(str(tmp), external_data=True)
+    proto = onnx.load(str(tmp), load_external_data=False)
+    referenced, inline = _point_initializers_at(proto, tmp, directory / weights, weights)
+    for leftover in (tmp, directory / f"{tmp.name}.data"):
+        leftover.unlink(missing_ok=True)
+    onnx.save(proto, str(directory / ONNX_FILE))
+    onnx.checker.check_model(str(directory / ONNX_FILE), full_check=True)
+    log.warning(
+        "onnx: %d initializers read from %s, %d inline; onnx.checker passed",
+        referenced,
+        weights,
+        inline,
+    )
+    return {
+        "file": ONNX_FILE,
+        "opset": OPSET,
+        "input_names": [spec.arg.name for spec in program.graph_signature.input_specs
+                        if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT],
+        "outputs": ["logits"] + [f"rows_{i}" for i in range(num_layers)],
+    }  # fmt: skip
+
+
+def _point_initializers_at(
+    proto: Any, saved: Path, weights_path: Path, weights: str
+) -> tuple[int, int]:
+    """Re-point every external initializer at the same tensor in the safetensors file, or
+    store it inline when the file has no such tensor. Returns (referenced, inline)."""
+    import onnx
+
+    stored = tensor_locations(weights_path)
+    referenced = inline = 0
+    for init in proto.graph.initializer:
+        if init.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        entry = {e.key: e.value for e in init.external_data}
+        target = stored.get(init.name)
+        if target is not None and _same_tensor(init, target):
+            del init.external_data[:]
+            for key, value in (
+                ("location", weights),
+                ("offset", str(target.offset)),
+                ("length", str(target.length)),
+            ):
+                init.external_data.add(key=key, value=value)
+            referenced += 1
+            continue
+        with open(saved.parent / entry["location"], "rb") as f:
+            f.seek(int(entry.get("offset", 0)))
+            init.raw_data = f.read(int(entry["length"]))
+        del init.external_data[:]
+        init.data_location = onnx.TensorProto.DEFAULT
+        inline += 1
+    return referenced, inline
+
+
+def _same_tensor(init: Any, target: StoredTensor) -> bool:
+    return (
+        _SAFETENSORS_DTYPE.get(target.dtype) == init.data_type and tuple(init.dims) == target.shape
+    )
+
+
+class OnnxStep:
+    """The step ABI over an onnxruntime session of the functional step (see module doc)."""
+
+    def __init__(self, path: Path, input_names: list[str], threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or torch.get_num_threads()
+        options.inter_op_num_threads = 1
+        # onnxruntime 1.30's FusedMatMul (from MatmulTransposeFusion) dies with SIGFPE on an
+        # empty batch (an empty sub-batch of the step, e.g. no absorbed rows): keep MatMul.
+        self.session = ort.InferenceSession(
+            str(path),
+            options,
+            providers=["CPUExecutionProvider"],
+            disabled_optimizers=["MatmulTransposeFusion"],
+        )
+        self.input_names = input_names
+        self.fed = {i.name for i in self.session.get_inputs()}
+        unknown = self.fed - set(input_names)
+        if unknown:
+            raise ValueError(f"{path.name} takes inputs {sorted(unknown)} the step does not have")
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[torch.Tensor],
+        meta: Any,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        leaves = pytree.tree_leaves((input_ids, positions, caches, meta, logits_indices))
+        if len(leaves) != len(self.input_names):
+            raise ValueError(
+                f"the step got {len(leaves)} tensors; the ONNX step takes {len(self.input_names)}"
+            )
+        feed = {
+            name: tensor.numpy()
+            for name, tensor in zip(self.input_names, leaves, strict=True)
+            if name in self.fed
+        }
+        logits, *rows = self.session.run(None, feed)
+        write_rows(caches, [torch.from_numpy(r) for r in rows], meta.slot_mapping)
+        return torch.from_numpy(logits)
