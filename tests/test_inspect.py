@@ -26,10 +26,13 @@ def test_inspect_json_lists_one_site_per_layer_and_the_ops_it_lowered_to(capsys)
     )
     assert report["verify"]["ok"] and report["refused"] == []
     names = [s["name"] for s in report["stages"]]
-    assert names == ["captured", "find_mla_attention", "lower_attention", "verify"]
+    assert names == ["captured", "find_mla_attention", "lower_attention", "lower_linears", "verify"]
     diff = report["stages"][2]["diff_from_previous"]
     assert diff["aten.scaled_dot_product_attention.default"] == -2
     assert diff["mlafx.mla_attention_paged.default"] == 2
+    # q, kv_a, o and the dense MLP's three per layer, and lm_head
+    linears = report["stages"][3]["diff_from_previous"]
+    assert linears["mlafx.linear_packed.default"] == 2 * 6 + 1 == -linears["aten.linear.default"]
 
 
 def test_inspect_text_shows_one_stage_with_its_graph(capsys):

@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 
 from mlafx.graph.capture import capture_step, sample_step, step_dynamic_shapes
+from mlafx.kernels.gemm_ops import pack_linear_weight
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.step import CACHE_LAYOUT_VERSION, StepMetadata
+from mlafx.passes.lower_linears import packed_constant_source
 from mlafx.passes.pipeline import LoweringResult, lower_step_graph
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,20 @@ def package_key(model: MLAForCausalLM, block_size: int) -> str:
         "mlafx": mlafx.__version__,
         "kernels": _build_info.CSRC_SHA256,
         "layout": CACHE_LAYOUT_VERSION,
+        "graph_code": _graph_code_digest(),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _graph_code_digest() -> str:
+    """SHA-256 of the Python that decides the compiled graph (the model, the capture and the
+    passes), so a package compiled by other code is never loaded."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for folder in ("models", "graph", "passes"):
+        for source in sorted((root / folder).glob("*.py")):
+            digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()
 
 
 @dataclass
@@ -107,8 +121,9 @@ def compile_step(
         tmp.replace(package)  # atomic: a crashed compile never leaves a half package
         log.warning("  compiled in %.1f s", time.perf_counter() - start)
     runner = torch._inductor.aoti_load_package(str(package))
-    weights = _constants(model)
     wanted = runner.get_constant_fqns()
+    _derive_packed_weights(model, wanted)
+    weights = _constants(model)
     missing = sorted(set(wanted) - set(weights))
     if missing:
         raise RuntimeError(f"compiled step {package.name} expects unknown constants {missing[:5]}")
@@ -116,6 +131,25 @@ def compile_step(
         {k: weights[k] for k in wanted}, check_full_update=True, user_managed=True
     )
     return CompiledStep(runner, lowering, package, time.perf_counter() - start)
+
+
+def _derive_packed_weights(model: MLAForCausalLM, wanted: list[str]) -> None:
+    """Make the packed copies the lowered linears read (``<weight>_packed``) as model
+    buffers, packed from the checkpoint's weights at load time (never stored)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in wanted:
+        source = packed_constant_source(name)
+        if source is None or source not in params or _has_buffer(model, name):
+            continue
+        owner_path, _, attr = name.rpartition(".")
+        with torch.no_grad():
+            packed = pack_linear_weight(params[source].detach())
+        model.get_submodule(owner_path).register_buffer(attr, packed, persistent=False)
+
+
+def _has_buffer(model: torch.nn.Module, name: str) -> bool:
+    owner_path, _, attr = name.rpartition(".")
+    return attr in dict(model.get_submodule(owner_path).named_buffers(recurse=False))
 
 
 def _constants(model: MLAForCausalLM) -> dict[str, torch.Tensor]:

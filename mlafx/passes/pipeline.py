@@ -3,6 +3,8 @@
     find_mla_attention  -> MLASite records (and logged refusals)
     lower_attention     -> write_latent_cache + absorbed mla_attention_paged per site
                            (uses absorb_weights for the W_UK/W_UV views)
+    lower_linears       -> mlafx.linear_packed for every linear over a graph weight
+                           (packed copies as new constants ``<weight>_packed``)
     cleanup             -> dead-code elimination, lint, recompile
     verify              -> numeric check against the captured graph; a mismatch keeps the
                            captured graph and reports why
@@ -24,6 +26,7 @@ from mlafx.models.step import StepInputs
 from mlafx.passes.find_mla_attention import find_mla_sites
 from mlafx.passes.graph_utils import finish
 from mlafx.passes.lower_attention import lower_attention
+from mlafx.passes.lower_linears import lower_linears
 from mlafx.passes.mla_site import MLASite, Refusal
 from mlafx.passes.verify import VerificationError, VerifyReport, random_caches, verify_rewrite
 
@@ -73,7 +76,12 @@ def lower_step_graph(
     start = time.perf_counter()
     lowered = lower_attention(gm, sites)
     finish(gm)
-    stages.append(Stage("lower_attention", gm, time.perf_counter() - start, lowered))
+    stages.append(Stage("lower_attention", copy.deepcopy(gm), time.perf_counter() - start, lowered))
+
+    start = time.perf_counter()
+    linears = lower_linears(gm)
+    finish(gm)
+    stages.append(Stage("lower_linears", gm, time.perf_counter() - start, linears))
 
     start = time.perf_counter()
     result = LoweringResult(gm, sites, refusals, stages)
