@@ -40,7 +40,7 @@ def test_inspect_json_lists_one_site_per_layer_and_the_ops_it_lowered_to(capsys)
     coverage = report["verify"]["sample_coverage"]
     assert coverage["absorbed_prefills_with_context"] and coverage["split_prefills_with_context"]
     names = [s["name"] for s in report["stages"]]
-    assert names == ["captured", "find_mla_attention", "lower_attention", "verify"]
+    assert names == ["captured", "find_mla_attention", "lower_attention", "lower_linears", "verify"]
     diff = report["stages"][2]["diff_from_previous"]
     assert diff["aten.scaled_dot_product_attention.default"] == -2
     assert diff["aten.index_copy_.default"] == -2
@@ -48,6 +48,10 @@ def test_inspect_json_lists_one_site_per_layer_and_the_ops_it_lowered_to(capsys)
     assert diff["mlafx.mla_attention_paged.default"] == 4
     assert diff["mlafx.varlen_attention.default"] == 2
     assert diff["mlafx.merge_attn_states.default"] == 2
+    # per layer q, kv_a, o, the split path's kv_b decompression and the dense MLP's three;
+    # and lm_head
+    linears = report["stages"][3]["diff_from_previous"]
+    assert linears["mlafx.linear_packed.default"] == 2 * 7 + 1 == -linears["aten.linear.default"]
 
 
 def test_inspect_text_shows_one_stage_with_its_graph(capsys):

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlafx.kernels import linear_decode, pack_linear_weight
+from mlafx.kernels import linear_decode, linear_packed, pack_linear_weight
 from mlafx.kernels.gemm_reference import (
     linear_decode_ref,
     pack_linear_weight_ref,
@@ -203,3 +203,30 @@ def test_portable_path_matches_reference(tmp_path):
     for path in files:
         x, w, out = torch.load(path)
         _assert_within_bound(out, x, w)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("M", [0, 1, 8, 9, 40])  # both sides of the streaming/ATen switch
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_linear_packed_is_linear_on_both_paths(M, dtype, bias):
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 77, generator=gen).to(dtype)
+    weight = torch.randn(33, 77, generator=gen).to(dtype)
+    b = torch.randn(33, generator=gen).to(dtype) if bias else None
+    out = linear_packed(x, weight, pack_linear_weight(weight), b)
+    want = torch.nn.functional.linear(
+        x.double(), weight.double(), None if b is None else b.double()
+    )
+    u = UNIT_ROUNDOFF[dtype]
+    tol = 4 * u * (x.double().abs() @ weight.double().abs().t() + 1) + 77 * 2.0**-20
+    assert out.dtype == dtype and out.shape == (M, 33)
+    assert ((out.double() - want).abs() <= tol).all()
+    torch.library.opcheck(
+        torch.ops.mlafx.linear_packed.default, (x, weight, pack_linear_weight(weight), b)
+    )
+
+
+def test_linear_packed_rejects_mismatched_weight():
+    weight = torch.randn(20, 24)
+    with pytest.raises(ValueError, match="does not match weight"):
+        linear_packed(torch.randn(3, 30), weight, pack_linear_weight(weight))

@@ -25,7 +25,7 @@ from mlafx.kernels.extension import (
     load_extension,
     parallel_num_threads,
 )
-from mlafx.kernels.gemm_ops import linear_decode, pack_linear_weight
+from mlafx.kernels.gemm_ops import linear_decode, linear_packed, pack_linear_weight
 from mlafx.kernels.moe_ops import moe_experts
 from mlafx.kernels.ops import write_latent_cache
 
@@ -35,6 +35,7 @@ __all__ = [
     "gather_latent",
     "library_path",
     "linear_decode",
+    "linear_packed",
     "load_extension",
     "merge_attn_states",
     "mla_attention_paged",

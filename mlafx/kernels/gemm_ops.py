@@ -2,7 +2,8 @@
 
 The weight of a linear is packed once, at load time, with :func:`pack_linear_weight` and kept
 as a named weight; :func:`linear_decode` then streams it at memory bandwidth for a few rows
-of x (decode: lm_head, projections, shared experts). References: ``gemm_reference.py``.
+of x (decode: lm_head, projections, shared experts); :func:`linear_packed` picks it or
+ATen's linear by the number of rows. References: ``gemm_reference.py``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ def _linear_decode_fake(
     return x.new_empty((x.shape[0], out_features))
 
 
+@torch.library.register_fake("mlafx::linear_packed")
+def _linear_packed_fake(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed_weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    torch._check(weight.dim() == 2, lambda: f"weight must be 2-D, got {tuple(weight.shape)}")
+    torch._check(weight.dtype == x.dtype, lambda: f"weight dtype {weight.dtype} != x's {x.dtype}")
+    torch._check(x.dim() == 2 and x.shape[1] == weight.shape[1])
+    return _linear_decode_fake(x, packed_weight, weight.shape[0])
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] (an ``nn.Linear`` weight) -> packed [ceil(N/16), ceil(K/2), 32], same
     dtype: blocks of 16 rows, each column pair of the 16 rows side by side, zero-padded."""
@@ -57,3 +71,16 @@ def linear_decode(
 ) -> torch.Tensor:
     """``x @ weight^T`` -> [M, N] in x's dtype (fp32 accumulation, one rounding)."""
     return torch.ops.mlafx.linear_decode(x, packed_weight, out_features)
+
+
+def linear_packed(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K], the checkpoint's
+    packed_weight: torch.Tensor,  # pack_linear_weight(weight)
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, choosing the kernel by the number of rows at run time:
+    the packed streaming kernel for decode-sized ``x`` (at most 8 rows, where it beats
+    oneDNN), ATen's linear on ``weight`` above (compute-bound). What the compiler lowers a
+    model's linears to, so one graph serves decode and prefill steps."""
+    return torch.ops.mlafx.linear_packed(x, weight, packed_weight, bias)

@@ -5,6 +5,8 @@
                            absorbed rows; varlen_attention + mla_attention_paged (context)
                            + merge_attn_states for the split rows (absorb_weights: the
                            W_UK/W_UV views)
+    lower_linears       -> mlafx.linear_packed for every linear over a graph weight
+                           (packed copies as new constants ``<weight>_packed``)
     cleanup             -> dead-code elimination, lint, recompile
     verify              -> numeric check against the captured graph on a sample step whose
                            rows take both paths; a mismatch keeps the captured graph and
@@ -29,6 +31,7 @@ from mlafx.models.step import StepInputs
 from mlafx.passes.find_mla_attention import find_mla_sites
 from mlafx.passes.graph_utils import finish
 from mlafx.passes.lower_attention import lower_attention
+from mlafx.passes.lower_linears import lower_linears
 from mlafx.passes.mla_site import MLASite, Refusal, SiteLowering
 from mlafx.passes.verify import VerificationError, VerifyReport, random_caches, verify_rewrite
 
@@ -102,7 +105,13 @@ def lower_step_graph(
     start = time.perf_counter()
     lowerings = lower_attention(gm, sites)
     finish(gm)
-    stages.append(Stage("lower_attention", gm, time.perf_counter() - start, len(lowerings)))
+    seconds = time.perf_counter() - start
+    stages.append(Stage("lower_attention", copy.deepcopy(gm), seconds, len(lowerings)))
+
+    start = time.perf_counter()
+    linears = lower_linears(gm)
+    finish(gm)
+    stages.append(Stage("lower_linears", gm, time.perf_counter() - start, linears))
 
     start = time.perf_counter()
     result = LoweringResult(gm, sites, refusals, lowerings, stages)

@@ -6,6 +6,9 @@
 //       packed[b, p, 2*i + j] = weight[16*b + i, 2*p + j], zero where that is out of range
 //   linear_decode(x [M, K], packed, out_features = N) -> out [M, N]   (x's dtype)
 //       x last-dim contiguous (rows may be strided); fp32 accumulation, one rounding at the end
+//   linear_packed(x [M, K], weight [N, K], packed, bias?) -> x @ weight^T + bias
+//       what the compiler lowers a model's linears to: linear_decode for M <= kStreamMaxRows,
+//       ATen's linear (oneDNN) on the checkpoint's weight above, where it is compute-bound
 //
 // Why a packed layout, and not oneDNN or the row-major weight (bench/kernel_cases/moe_gemm.py;
 // 2 threads, cold weights, quiet machine, read bandwidth 18.6 GB/s, bf16):
@@ -28,6 +31,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -35,6 +39,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -278,15 +283,44 @@ at::Tensor linear_decode(const at::Tensor& x,       // [M, K]
   return out;
 }
 
+// The most rows of x for which streaming the packed weight beats ATen's GEMM (oneDNN): measured
+// on this project's CI machine (Xeon, AMX, 2 threads; bench/kernel_cases/moe_gemm.py and a
+// sweep over M for the embedded default's projections): the streaming kernel wins by 1.2-7x
+// at M <= 8 and loses from M = 16 on, where oneDNN's AMX tiles make the product compute-bound.
+constexpr int64_t kStreamMaxRows = 8;
+
+at::Tensor linear_packed(const at::Tensor& x,       // [M, K]
+                         const at::Tensor& weight,  // [N, K], the checkpoint's
+                         const at::Tensor& packed,  // pack_linear_weight(weight)
+                         const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(weight.dim() == 2,
+                    "linear_packed: weight must be [out_features, in_features], got shape ",
+                    weight.sizes());
+  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "linear_packed: weight dtype ",
+                   weight.scalar_type(), " must equal x's dtype ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == weight.size(1), "linear_packed: x ", x.sizes(),
+                    " does not match weight ", weight.sizes());
+  if (x.size(0) > kStreamMaxRows) {
+    return at::linear(x, weight, bias);
+  }
+  at::Tensor out = linear_decode(x, packed, weight.size(0));
+  if (bias.has_value() && bias->defined()) {
+    out.add_(*bias);
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace mlafx
 
 TORCH_LIBRARY_FRAGMENT(mlafx, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear_decode(Tensor x, Tensor packed_weight, int out_features) -> Tensor");
+  m.def("linear_packed(Tensor x, Tensor weight, Tensor packed_weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mlafx, CPU, m) {
   m.impl("pack_linear_weight", &mlafx::pack_linear_weight);
   m.impl("linear_decode", &mlafx::linear_decode);
+  m.impl("linear_packed", &mlafx::linear_packed);
 }

@@ -1,0 +1,99 @@
+"""Lower the model's linears to ``mlafx.linear_packed``: decode-sized steps stream a packed
+copy of the weight at memory bandwidth, larger ones keep ATen's GEMM.
+
+Pattern: ``aten.linear(x, W)`` or ``aten.linear(x, W, b)`` where ``W`` is a 2-D weight of the
+graph (a ``get_attr``: q/kv/o projections, shared experts, dense MLPs, lm_head, and the
+split attention path's ``kv_b_proj`` decompression) and ``x`` is 2-D. Weights computed in
+the graph (the fp32 router's cast weight) do not match.
+Replacement: ``mlafx.linear_packed(x, W, W_packed, b)``, where ``W_packed`` =
+``pack_linear_weight(W)`` is a new constant named ``<W's name>_packed`` next to ``W``.
+Requires: nothing beyond the pattern; run after ``lower_attention`` (whose absorbed
+weights are views of ``kv_b_proj.weight``, not linears).
+Ensures: no ``aten.linear`` over a graph weight remains; each weight is packed once however
+many linears share it. Packed constants are not checkpoint weights: whoever loads the
+compiled graph derives them again from ``W`` (:func:`packed_constant_source`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import fx
+
+import mlafx.kernels  # noqa: F401  (registers the mlafx ops and their fakes)
+from mlafx.kernels.gemm_ops import pack_linear_weight
+from mlafx.passes.graph_utils import tensor_shape
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+PACKED_SUFFIX = "_packed"
+
+
+def packed_constant_source(name: str) -> str | None:
+    """The weight a packed constant is derived from (``a.b.weight_packed`` -> ``a.b.weight``),
+    or None when ``name`` is not a packed constant."""
+    return name[: -len(PACKED_SUFFIX)] if name.endswith(PACKED_SUFFIX) else None
+
+
+def _packed_attr(gm: fx.GraphModule, weight_name: str) -> str:
+    owner_path, _, attr = weight_name.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    packed_attr = attr + PACKED_SUFFIX
+    if not hasattr(owner, packed_attr):
+        with torch.no_grad():
+            packed = pack_linear_weight(getattr(owner, attr).detach())
+        owner.register_buffer(packed_attr, packed, persistent=False)
+    return f"{owner_path}.{packed_attr}" if owner_path else packed_attr
+
+
+def _rank(linear: fx.Node) -> int | None:
+    """Rank of a linear's input: from shape metadata where the capture left it, else walked
+    back through row selections (an earlier rewrite's nodes carry no metadata)."""
+    for node in (linear, linear.args[0]):
+        while isinstance(node, fx.Node):
+            shape = tensor_shape(node)
+            if shape is not None:
+                return len(shape)
+            if node.op != "call_function" or node.target not in _RANK_PRESERVING:
+                break
+            node = node.args[0]
+    return None
+
+
+_RANK_PRESERVING = {aten.index_select.default, aten.contiguous.default, aten.clone.default}
+
+
+def lower_linears(gm: fx.GraphModule) -> int:
+    """Rewrite every matching linear in place; returns how many were rewritten."""
+    graph = gm.graph
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        x, weight = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
+            log.info("lower_linears: %s keeps aten.linear (its weight is computed)", node.name)
+            continue
+        x_rank, weight_shape = _rank(node), tensor_shape(weight)
+        if x_rank != 2 or weight_shape is None or len(weight_shape) != 2:
+            log.info(
+                "lower_linears: %s keeps aten.linear (x rank %s, weight %s)",
+                node.name,
+                x_rank,
+                weight_shape,
+            )
+            continue
+        packed_name = _packed_attr(gm, weight.target)
+        with graph.inserting_before(node):
+            packed = graph.get_attr(packed_name)
+            lowered = graph.call_function(
+                torch.ops.mlafx.linear_packed.default, (x, weight, packed, bias)
+            )
+        lowered.meta = dict(node.meta)
+        node.replace_all_uses_with(lowered)
+        graph.erase_node(node)
+        rewritten += 1
+    log.info("lower_linears: %d linear(s) -> mlafx.linear_packed", rewritten)
+    return rewritten

@@ -1,0 +1,60 @@
+"""The lower_linears pass: every linear over a graph weight becomes mlafx.linear_packed,
+whose streaming (decode-sized) and ATen (larger) branches both reproduce the captured graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlafx.graph.capture import capture_step, num_sample_blocks, sample_step_inputs
+from mlafx.models.step import SequenceSpan, build_step_inputs
+from mlafx.passes.pipeline import lower_step_graph
+from mlafx.passes.verify import random_caches
+from tests.tiny_models import tiny_llm
+
+LINEAR = "aten.linear.default"
+PACKED = "mlafx.linear_packed.default"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return tiny_llm(num_kv_blocks=num_sample_blocks(4))  # MoE layer + dense first layer
+
+
+@pytest.fixture(scope="module")
+def lowered(llm):
+    captured = capture_step(llm.model, llm.block_size).module()
+    sample = sample_step_inputs(llm.block_size, llm.config.vocab_size)
+    caches = [torch.zeros_like(c) for c in llm.kv_caches]
+    return captured, lower_step_graph(captured, sample, caches)
+
+
+def test_every_weight_linear_is_lowered_once(llm, lowered):
+    _, result = lowered
+    assert result.verify_error is None
+    by_stage = {stage.name: stage for stage in result.stages}
+    before, after = by_stage["lower_attention"].ops, by_stage["lower_linears"].ops
+    # what stays aten.linear: the router's fp32 gate (its weight is cast in the graph)
+    routers = sum(1 for m in llm.model.modules() if type(m).__name__ == "Router")
+    assert after[LINEAR] == routers and routers == 1
+    assert after[PACKED] == before[LINEAR] - routers == by_stage["lower_linears"].rewrites
+    packed = {n.target for n in result.graph.graph.nodes if n.op == "get_attr"}
+    assert "lm_head.weight_packed" in packed
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_packed" in packed
+
+
+@pytest.mark.parametrize("new_tokens", [1, 3, 8, 9, 20])  # the switch to ATen is above 8 rows
+def test_both_branches_match_the_captured_graph(llm, lowered, new_tokens):
+    captured, result = lowered
+    spans = [
+        SequenceSpan(
+            [(3 * i) % 200 + 2 for i in range(new_tokens)], 2, 2 + new_tokens, [5, 6, 7, 9, 11, 12]
+        )
+    ]
+    inputs = build_step_inputs(spans, llm.block_size)
+    args = (inputs.input_ids, inputs.positions)
+    want_caches = random_caches(llm.kv_caches, seed=3)
+    got_caches = [c.clone() for c in want_caches]
+    want = captured(*args, want_caches, inputs.meta, inputs.logits_indices)
+    got = result.graph(*args, got_caches, inputs.meta, inputs.logits_indices)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
