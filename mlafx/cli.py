@@ -2,7 +2,8 @@
 
 ``mlafx run`` with no arguments serves the embedded default: the ``deepseek-v2-lite`` preset
 shrunk to 2 layers and 4 experts, with dummy weights, in bf16, on a batch of token-id
-prompts including a ~300-token one. Flags follow vLLM's names.
+prompts including a ~300-token one, which it then sends again (a prefix-cache hit) and into
+a second engine sharing a disk KV store (an external hit). Flags follow vLLM's names.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import logging
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -235,21 +237,58 @@ def summarize(outputs: list[RequestOutput], wall_seconds: float) -> dict[str, An
     }
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    start = time.perf_counter()
-    llm = build_llm(args, **serving_options(args))
-    load_seconds = time.perf_counter() - start
-    prompts = args.prompt_token_ids or demo_prompts()
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
-    )
-    start = time.perf_counter()
+def prefix_reuse_demo(
+    args: argparse.Namespace,
+    serving: dict[str, Any],
+    llm: LLM,
+    cold: RequestOutput,
+    params: SamplingParams,
+) -> dict[str, Any]:
+    """The demo's second act: ``cold``'s prompt again on the same engine (a prefix-cache
+    hit), then on a second engine sharing the KV store (an external hit)."""
+    prompt = cold.prompt_token_ids
+    (again,) = llm.generate([prompt], params)
+    second = build_llm(args, **serving)
     try:
-        outputs = llm.generate(prompts, params)
+        (external,) = second.generate([prompt], params)
+        external_tokens = second.get_metrics()["external_hit_tokens"]
     finally:
-        llm.close()
-    stats = summarize(outputs, time.perf_counter() - start)
-    metrics = llm.get_metrics()
+        second.close()
+    runs = (cold, again, external)
+    return {
+        "prompt_len": len(prompt),
+        "kv_connector": serving["kv_connector"],
+        "cold_ttft_s": cold.metrics.time_to_first_token,
+        "prefix_hit_cached_tokens": again.num_cached_tokens,
+        "prefix_hit_ttft_s": again.metrics.time_to_first_token,
+        "external_hit_tokens": external_tokens,
+        "external_hit_ttft_s": external.metrics.time_to_first_token,
+        "same_tokens": all(r.outputs[0].token_ids == cold.outputs[0].token_ids for r in runs),
+    }
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    demo = args.prompt_token_ids is None
+    serving = serving_options(args)
+    with tempfile.TemporaryDirectory(prefix="mlafx-demo-store-") as store:
+        if demo and serving["kv_connector"] is None:
+            serving["kv_connector"] = f"disk:{store}"  # the demo's second engine shares it
+        start = time.perf_counter()
+        llm = build_llm(args, **serving)
+        load_seconds = time.perf_counter() - start
+        prompts = args.prompt_token_ids or demo_prompts()
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+        try:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            stats = summarize(outputs, time.perf_counter() - start)
+            metrics = llm.get_metrics()
+            longest = max(outputs, key=lambda o: len(o.prompt_token_ids))
+            reuse = prefix_reuse_demo(args, serving, llm, longest, params) if demo else None
+        finally:
+            llm.close()
     if args.json:
         print(
             json.dumps(
@@ -271,6 +310,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     ],
                     **stats,
                     "metrics": metrics,
+                    **({"prefix_reuse": reuse} if reuse else {}),
                 },
                 indent=2,
             )
@@ -302,6 +342,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"preemptions, prompt {metrics['prompt_tokens_per_s']:.1f} tokens/s, generation "
         f"{metrics['generation_tokens_per_s']:.1f} tokens/s"
     )
+    if reuse:
+        print(
+            f"prefix reuse ({reuse['prompt_len']}-token prompt): cold TTFT "
+            f"{reuse['cold_ttft_s'] * 1e3:.1f} ms; again: {reuse['prefix_hit_cached_tokens']} "
+            f"tokens from the prefix cache, TTFT {reuse['prefix_hit_ttft_s'] * 1e3:.1f} ms; "
+            f"second engine: {reuse['external_hit_tokens']} tokens from the KV store, TTFT "
+            f"{reuse['external_hit_ttft_s'] * 1e3:.1f} ms; same tokens: "
+            f"{'yes' if reuse['same_tokens'] else 'NO'}"
+        )
     return 0
 
 
