@@ -16,7 +16,7 @@ import torch
 
 from mlafx.export.compiled_step import compile_step
 from mlafx.graph.capture import capture_step, sample_step
-from mlafx.models.attention_path import absorb_threshold
+from mlafx.models.attention_path import AttentionPath, absorb_threshold
 from mlafx.models.step import SequenceSpan, StepInputs, build_step_inputs
 from mlafx.passes.pipeline import lower_step_graph
 from mlafx.passes.verify import path_coverage, random_caches
@@ -25,10 +25,11 @@ from tests.tiny_models import TINY_OVERRIDES, tiny_llm
 DENSE = {**TINY_OVERRIDES, "n_routed_experts": 0}
 BLOCK_SIZE = 4
 NUM_BLOCKS = 1 + 128
+SPLIT = AttentionPath.SPLIT
 
-# (context rows, new tokens) per sequence, and the sub-batch sizes the cost rule must give
-# (absorbed sequences, split sequences, split sequences with context). The tiny model's
-# threshold is 32 (Lkv 32, R 8, P = V = 16, equal efficiencies).
+# (context rows, new tokens[, fixed path]) per sequence, and the sub-batch sizes the host
+# must give (absorbed sequences, split sequences, split sequences with context). The tiny
+# model's threshold is 32 (Lkv 32, R 8, P = V = 16, equal efficiencies).
 STEPS = {
     "mixed": (
         [(20, 1), (60, 3), (0, 40), (24, 36), (7, 1)],  # decode, suffix, fresh, chunk, decode
@@ -39,6 +40,8 @@ STEPS = {
     "only fresh prefills": ([(0, 1), (0, 25)], (0, 2, 0)),
     "one chunk with context": ([(5, 30)], (0, 1, 1)),
     "suffix and a short chunk": ([(40, 5), (3, 2), (2, 12)], (2, 1, 1)),
+    "one-token prompt": ([(0, 1)], (0, 1, 0)),
+    "decodes down the split path": ([(6, 1, SPLIT), (17, 1)], (1, 1, 1)),
 }
 
 
@@ -65,10 +68,10 @@ def step_inputs(shares: list[tuple[int, int]], threshold: float, seed: int) -> S
     free = list(range(1, NUM_BLOCKS))  # block 0 reserved
     rng.shuffle(free)
     spans = []
-    for context, new in shares:
+    for context, new, *path in shares:
         blocks = [free.pop() for _ in range(-(-(context + new) // BLOCK_SIZE))]
         ids = [rng.randrange(2, 256) for _ in range(new)]
-        spans.append(SequenceSpan(ids, context, context + new, blocks))
+        spans.append(SequenceSpan(ids, context, context + new, blocks, path=next(iter(path), None)))
     return build_step_inputs(spans, BLOCK_SIZE, absorb_threshold=threshold)
 
 
@@ -104,16 +107,23 @@ def test_both_paths_match_the_reference(model, compiled, lowered_graph, name):
 
 
 def test_every_kind_of_row_was_exercised():
-    """The steps above cover each path with and without context, several rows each."""
+    """The steps above cover each path with and without context, and hold 0, 1 and many rows
+    in each sub-batch (absorbed, split, context half)."""
     threshold = 32.0
     total: dict[str, int] = {}
+    sizes: list[tuple[int, int, int]] = []
     for shares, _ in STEPS.values():
-        for kind, count in path_coverage(step_inputs(shares, threshold, 0).meta).items():
+        meta = step_inputs(shares, threshold, 0).meta
+        for kind, count in path_coverage(meta).items():
             total[kind] = total.get(kind, 0) + count
+        rows = (meta.absorbed_token_index, meta.split_token_index, meta.context_split_rows)
+        sizes.append(tuple(len(r) for r in rows))
+    for sub_batch in zip(*sizes, strict=True):
+        assert {0, 1} <= set(sub_batch) and max(sub_batch) > 1
     assert total == {
-        "absorbed_decodes": 5,
+        "absorbed_decodes": 6,
         "absorbed_prefills_with_context": 3,
         "absorbed_fresh_prefills": 0,
         "split_prefills_with_context": 3,
-        "split_fresh_prefills": 3,
+        "split_fresh_prefills": 4,
     }
