@@ -53,6 +53,7 @@ def export_onnx(
             "provider lacks bfloat16/float16 kernels for the step's ops"
         )
     functional = make_functional(lowered.lowering.graph)
+    plain_linears(functional)
     report = check(lowered.lowering.graph, functional, sample, caches)
     log.warning(
         "onnx: functional step matches the in-place step (logits within %.2g)",
@@ -96,6 +97,37 @@ def export_onnx(
                         if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT],
         "outputs": ["logits"] + [f"rows_{i}" for i in range(num_layers)],
     }  # fmt: skip
+
+
+def plain_linears(gm: torch.fx.GraphModule) -> int:
+    """ONNX has no packed weight layout. Pattern -> replacement:
+    ``mlafx.linear_packed(x, W, W_packed, b)`` -> ``aten.linear(x, W, b)``; the packed
+    constants (derived at load time, never stored) are dropped from ``gm``, so the ONNX
+    model reads only the checkpoint's weights. Returns how many linears were rewritten."""
+    packet = getattr(torch.ops.mlafx, "linear_packed", None)
+    if packet is None:
+        return 0
+    graph, packed_attrs, rewritten = gm.graph, set(), 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not packet.default:
+            continue
+        x, weight, packed, *bias = node.args
+        with graph.inserting_before(node):
+            linear = graph.call_function(torch.ops.aten.linear.default, (x, weight, *bias))
+        linear.meta = dict(node.meta)
+        node.replace_all_uses_with(linear)
+        graph.erase_node(node)
+        if packed.op == "get_attr" and not packed.users:
+            packed_attrs.add(packed.target)
+            graph.erase_node(packed)
+        rewritten += 1
+    for target in packed_attrs:
+        owner_path, _, attr = target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        delattr(owner, attr)
+    graph.lint()
+    gm.recompile()
+    return rewritten
 
 
 def _point_initializers_at(
