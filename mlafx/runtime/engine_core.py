@@ -107,7 +107,7 @@ class EngineCore:
                 inputs.meta,
                 inputs.logits_indices,
             )
-        sampling = [s.request for s in batch if s.end >= s.request.num_tokens]
+        sampling = [s.request for s in batch if s.samples]  # logits rows, in batch order
         drawn = sample(logits, sampling)
         now = time.perf_counter()
         for seq in batch:

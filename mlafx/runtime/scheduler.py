@@ -41,6 +41,12 @@ class ScheduledSequence:
     def num_tokens(self) -> int:
         return self.end - self.start
 
+    @property
+    def samples(self) -> bool:
+        """Whether a token is drawn after this span: it reaches the request's last token
+        (a prompt chunk short of the end computes rows only)."""
+        return self.end >= self.request.num_tokens
+
 
 def blocks_for_lifetime(
     num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int

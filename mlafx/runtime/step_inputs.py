@@ -16,7 +16,7 @@ def step_inputs_for(
             s.start,
             s.end,
             s.request.blocks,
-            sample=s.end >= s.request.num_tokens,  # a prompt chunk short of the end draws none
+            sample=s.samples,
         )
         for s in batch
     ]
