@@ -19,7 +19,7 @@ import torch
 
 from mlafx.config import ModelConfig, check_fits_in_memory
 from mlafx.config.presets import PRESETS
-from mlafx.models.loader import LoadFormat, build_model, torch_dtype
+from mlafx.models.loader import DTYPES, LoadFormat, build_model, torch_dtype
 from mlafx.runtime.block_hash import cache_fingerprint
 from mlafx.runtime.block_manager import BlockManager
 from mlafx.runtime.engine_core import EngineCore, StepFn
@@ -169,6 +169,59 @@ class LLM:
         tokenizer = load_tokenizer(loaded.tokenizer_dir) if loaded.tokenizer_dir else None
         connector = connect_kv_store(kv_connector, cfg, dtype, loaded.block_size)
         llm._start(cfg, loaded.step, dtype, options, tokenizer, connector)
+        return llm
+
+    @classmethod
+    def from_transformers(
+        cls,
+        hf_model: torch.nn.Module,
+        *,
+        hf_overrides: dict[str, Any] | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        kv_connector: str | KVConnector | None = None,
+        seed: int = 0,
+        compile: bool = True,
+        compile_cache_dir: str | Path | None = None,
+    ) -> LLM:
+        """Serve a ``transformers`` DeepSeek-V2/V3-family model object (on the CPU) in its
+        own dtype: its tensors are adopted by mlafx's model, not copied (see
+        ``mlafx.models.from_transformers``), then captured, lowered and compiled as usual.
+        No tokenizer: prompts are token ids."""
+        from mlafx.models.from_transformers import model_from_transformers
+
+        model = model_from_transformers(hf_model, hf_overrides)
+        dtype = next(n for n, d in DTYPES.items() if d == model.lm_head.weight.dtype)
+        options = ServingOptions(
+            block_size=block_size,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+        )
+        cfg = model.config
+        options.resolved_max_model_len(cfg)
+        options.num_blocks(cfg, dtype)  # validates the cache size before compiling
+        connector = connect_kv_store(kv_connector, cfg, dtype, block_size)
+        llm = cls.__new__(cls)
+        llm.model, llm.compiled, llm.artifact = model, None, None
+        step_fn: StepFn = model
+        if compile:
+            from mlafx.export.compiled_step import compile_step
+
+            cache_dir = None if compile_cache_dir is None else Path(compile_cache_dir)
+            llm.compiled = step_fn = compile_step(model, block_size, cache_dir=cache_dir)
+        llm._start(cfg, step_fn, dtype, options, None, connector)
         return llm
 
     def _start(
