@@ -3,6 +3,8 @@ its LRU eviction, chunked prefill under the token budget, decodes first, preempt
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from mlafx.runtime.block_hash import full_block_hashes
@@ -182,3 +184,63 @@ def test_preemption_evicts_the_latest_admitted_and_requeues_it_first():
     assert end == b.num_tokens and start % 4 == 0 and b.output_token_ids == generated
     assert scheduler.running[0] is b  # first in the queue, first admitted
     assert b.metrics.num_preemptions == 1 and b.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_blocks", "chunked"),
+    [(1, 80, True), (4, 24, True), (4, 24, False), (16, 7, True)],
+)
+def test_random_traffic_keeps_the_cache_consistent(block_size, num_blocks, chunked):
+    """A model-free engine loop over random requests sharing prefixes, with aborts: the
+    "cache" records which token each row holds. Every span must find exactly its request's
+    tokens in the rows it may read, write only blocks no one else holds and no cached
+    block, stay within the budget, and every request must finish with all blocks freed."""
+    rng = random.Random(block_size * 1000 + num_blocks + chunked)
+    scheduler = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        enable_chunked_prefill=chunked,
+    )
+    blocks = scheduler.blocks
+    rows: dict[tuple[int, int], int] = {}  # (block, offset) -> token id written there
+    stems = [[rng.randrange(50) for _ in range(30)] for _ in range(3)]
+    live: list[Request] = []
+    for step in range(3000):
+        if step < 300 and rng.random() < 0.3:
+            prompt = rng.choice(stems)[: rng.randint(1, 30)] + [
+                rng.randrange(50) for _ in range(rng.randint(0, 12))
+            ]
+            live.append(request(str(step), prompt or [1], max_tokens=rng.randint(1, 30)))
+            scheduler.add(live[-1])
+        if live and rng.random() < 0.03:  # abort a random request
+            victim = live.pop(rng.randrange(len(live)))
+            scheduler.abort(victim)
+        batch = scheduler.schedule()
+        assert sum(s.num_tokens for s in batch) <= 24 or (not chunked and len(batch) == 1)
+        assert len(scheduler.running) <= 6
+        for seq in batch:
+            r = seq.request
+            assert seq.start == r.num_computed_tokens and len(r.blocks) * block_size >= seq.end
+            for pos in range(seq.start):  # the context it reads holds its own tokens
+                block = r.blocks[pos // block_size]
+                assert rows[(block, pos % block_size)] == r.token_ids(pos, pos + 1)[0]
+            for pos in range(seq.start, seq.end):  # the rows it writes are its own alone
+                block = r.blocks[pos // block_size]
+                assert blocks.ref_count(block) == 1 and not blocks.is_registered(block)
+                rows[(block, pos % block_size)] = r.token_ids(pos, pos + 1)[0]
+        for seq in batch:
+            r = seq.request
+            r.num_computed_tokens = seq.end
+            scheduler.register_computed_blocks(r)
+            if seq.samples:
+                r.output_token_ids.append(sum(r.token_ids(0, r.num_tokens)) % 50)
+                if len(r.output_token_ids) == r.params.max_tokens:
+                    scheduler.finish(r)
+                    live.remove(r)
+        if step >= 300 and not scheduler.has_unfinished():
+            break
+    assert not scheduler.has_unfinished() and not live
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
+    assert scheduler.stats.prefix_cache_hit_tokens > 0 and scheduler.stats.num_preemptions > 0

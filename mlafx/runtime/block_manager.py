@@ -56,6 +56,10 @@ class BlockManager:
     def ref_count(self, block: int) -> int:
         return self._ref_counts[block]
 
+    def is_registered(self, block: int) -> bool:
+        """Whether ``block`` holds a cached prefix (then it must never be written)."""
+        return block in self._key_of
+
     # ----- prefix cache -----
     def lookup(self, keys: Sequence[BlockHash]) -> list[int]:
         """Blocks holding the longest leading run of ``keys`` (nothing is taken)."""
