@@ -86,6 +86,8 @@ def export(
     from mlafx.config.presets import PRESETS
 
     _check_format(format)
+    if format == "onnx":
+        _check_onnx_dtype(dtype)  # before the (slow) model build
     cfg = ModelConfig.from_model(model, hf_overrides)
     if load_format == "auto" and isinstance(model, str) and model in PRESETS:
         raise ValueError(f"preset {model!r} has no weights here; use load_format='dummy'")
@@ -122,11 +124,8 @@ def export_model(
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ValueError(f"{output} exists and is not an empty directory; choose a new one")
     dtype = _dtype_name(model.lm_head.weight.dtype)
-    if format == "onnx" and dtype != "float32":
-        raise ValueError(
-            f"ONNX export needs --dtype float32 (got {dtype}): onnxruntime's CPU provider "
-            "lacks bfloat16/float16 kernels for the step's ops"
-        )
+    if format == "onnx":
+        _check_onnx_dtype(dtype)
     staging = output.with_name(f".{output.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -254,6 +253,14 @@ def load_artifact(directory: str | Path, engine: str | None = None) -> LoadedArt
 def _check_format(format: str) -> None:
     if format not in FORMATS:
         raise ValueError(f"unknown artifact format {format!r}; use one of {', '.join(FORMATS)}")
+
+
+def _check_onnx_dtype(dtype: str) -> None:
+    if dtype != "float32":
+        raise ValueError(
+            f"ONNX export needs --dtype float32 (got {dtype}): onnxruntime's CPU provider "
+            "lacks bfloat16/float16 kernels for the step's ops"
+        )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

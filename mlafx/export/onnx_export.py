@@ -79,6 +79,8 @@ def export_onnx(
     tmp = directory / "step.tmp.onnx"
     onnx_program.save(str(tmp), external_data=True)
     proto = onnx.load(str(tmp), load_external_data=False)
+    for node in proto.graph.node:  # the exporter's per-node FX dump and stack traces
+        del node.metadata_props[:]
     referenced, inline = _point_initializers_at(proto, tmp, directory / weights, weights)
     for leftover in (tmp, directory / f"{tmp.name}.data"):
         leftover.unlink(missing_ok=True)
