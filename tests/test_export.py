@@ -323,3 +323,38 @@ def test_export_refusals(artifacts, tmp_path):
     with pytest.raises(ValueError, match="unknown artifact format"):
         export_tiny(tmp_path / "x", "tflite")
     assert not (tmp_path / "bf16").exists() and not list(tmp_path.glob(".*partial"))
+
+
+# ---- pieces --------------------------------------------------------------------------------
+
+
+def test_weights_file_stores_shared_tensors_once(tmp_path):
+    from mlafx.export.weights import load_weights, save_weights, tensor_locations
+
+    embed = torch.randn(8, 4)
+    fused = torch.randn(6, 4)
+    constants = {"embed": embed, "lm_head": embed, "gate": fused[:3], "up": fused[3:]}
+    aliases = save_weights(constants, tmp_path / WEIGHTS_FILE)
+    assert aliases == {"lm_head": "embed"}
+    assert set(tensor_locations(tmp_path / WEIGHTS_FILE)) == {"embed", "gate", "up"}
+    loaded = load_weights(tmp_path / WEIGHTS_FILE, aliases)
+    assert loaded["lm_head"] is loaded["embed"]
+    for name, tensor in constants.items():
+        assert torch.equal(loaded[name], tensor)
+
+
+def test_pt2_archive_holds_no_weights_and_no_pickles(artifacts):
+    import zipfile
+
+    with zipfile.ZipFile(artifacts["pt2"] / "step.pt2") as archive:
+        for name in archive.namelist():
+            if name.endswith("_config.json"):
+                config = json.loads(archive.read(name))["config"]
+                assert not config, f"{name} lists stored tensors: {list(config)[:5]}"
+            assert not name.endswith(".pt") or archive.getinfo(name).file_size == 0, name
+
+
+def test_export_package_is_callable_and_keeps_its_submodules():
+    import mlafx.export.compiled_step as compiled_step
+
+    assert callable(mlafx.export) and compiled_step.__name__ == "mlafx.export.compiled_step"
