@@ -44,8 +44,6 @@ def export_onnx(
 
     from mlafx.export.onnx_ops import OPSET, translation_table
 
-    if lowered.sample_args[0].dtype is not torch.int64:
-        raise TypeError("unexpected step signature: input_ids must come first")
     sample, caches = sample_step(model, block_size)
     if caches[0].dtype != torch.float32:
         raise ValueError(
@@ -106,12 +104,9 @@ def plain_linears(gm: torch.fx.GraphModule) -> int:
     ``mlafx.linear_packed(x, W, W_packed, b)`` -> ``aten.linear(x, W, b)``; the packed
     constants (derived at load time, never stored) are dropped from ``gm``, so the ONNX
     model reads only the checkpoint's weights. Returns how many linears were rewritten."""
-    packet = getattr(torch.ops.mlafx, "linear_packed", None)
-    if packet is None:
-        return 0
     graph, packed_attrs, rewritten = gm.graph, set(), 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not packet.default:
+        if node.op != "call_function" or node.target is not torch.ops.mlafx.linear_packed.default:
             continue
         x, weight, packed, *bias = node.args
         with graph.inserting_before(node):
