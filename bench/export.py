@@ -2,7 +2,7 @@
 cold process, next to building and compiling the same model from scratch.
 
     .venv/bin/python bench/export.py [--model tiny|embedded] [--threads N]
-    .venv/bin/mlafx bench export -- --model embedded
+    .venv/bin/mlafx bench export --model embedded
 
 Every serving figure comes from a fresh Python process (imports included), fed one prompt
 and asked for one token, so "first token" is the whole cold start: start -> import mlafx ->
