@@ -38,10 +38,12 @@ from mlafx.passes.verify import VerificationError, VerifyReport, random_caches, 
 log = logging.getLogger(__name__)
 
 
-# Sources of those layers that never shape the step graph (weight loading, reports).
+# Sources of those layers that never shape the step graph (weight loading, the host's path
+# rule, reports).
 _NOT_IN_GRAPH = {
     "models/weights.py",
     "models/loader.py",
+    "models/attention_path.py",
     "passes/report.py",
     "passes/report_html.py",
 }
