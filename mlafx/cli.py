@@ -1,4 +1,4 @@
-"""Command line: ``mlafx run`` (more subcommands arrive with their issues).
+"""Command line: ``mlafx run``, ``serve``, ``export``, ``inspect`` and ``bench``.
 
 ``mlafx run`` with no arguments serves the embedded default: the ``deepseek-v2-lite`` preset
 shrunk to 2 layers and 4 experts, with dummy weights, in bf16, on a batch of token-id
@@ -383,7 +383,37 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"kernels": "kernels.py", "compiled-step": "compiled_step.py", "export": "export.py"}
+def served_model_name(args: argparse.Namespace) -> str:
+    """The name clients send as ``model``: ``--served-model-name``, else the artifact
+    directory, the ``--model`` argument, or the embedded default's preset name."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.artifact is not None:
+        return str(args.artifact)
+    return args.model or EMBEDDED_DEFAULT_MODEL
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """An OpenAI-compatible HTTP server (see mlafx/serve/) until Ctrl-C."""
+    from mlafx.serve import serve
+
+    llm = build_llm(args, **serving_options(args))
+    serve(
+        llm,
+        host=args.host,
+        port=args.port,
+        model_name=served_model_name(args),
+        log_level=args.log_level,
+    )
+    return 0
+
+
+BENCHMARKS = {
+    "kernels": "kernels.py",
+    "compiled-step": "compiled_step.py",
+    "export": "export.py",
+    "serve-load": "serve_load.py",
+}
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -451,6 +481,26 @@ def make_parser() -> argparse.ArgumentParser:
         help="also write a self-contained HTML report (needs graphviz)",
     )
     inspect.set_defaults(func=cmd_inspect)
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /metrics, ...)"
+    )
+    add_model_flags(serve)
+    add_serving_flags(serve)
+    add_artifact_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (0: a free one)")
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: --model, --artifact or the preset name)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level ('info' logs every request)",
+    )
+    serve.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="run a benchmark (flags after the name go to it)")
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

@@ -1,5 +1,6 @@
 """The layers of DESIGN.md import downwards only: config -> models -> graph -> passes ->
-kernels -> runtime / export. A module may import its own layer and those listed as below it."""
+kernels -> runtime / export -> serve. A module may import its own layer and those listed as
+below it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ ALLOWED = {
     # runtime runs the compiled step that export/ packages (one code path for both)
     "runtime": {"config", "models", "graph", "passes", "kernels", "export"},
     "export": {"config", "models", "graph", "passes", "kernels"},
+    # the HTTP server sits on top: it drives runtime's LLM; no layer imports it
+    "serve": {"config", "models", "graph", "passes", "kernels", "runtime", "export"},
 }
 
 

@@ -1,0 +1,7 @@
+"""OpenAI-compatible HTTP serving (``mlafx serve``): FastAPI routes over one ``LLM``
+driven by a single engine thread. Sits above runtime and export; nothing imports it."""
+
+from mlafx.serve.app import create_app
+from mlafx.serve.server import serve
+
+__all__ = ["create_app", "serve"]
