@@ -2,7 +2,7 @@
 output tokens/s and latency percentiles (and the server's /metrics summary).
 
     .venv/bin/python bench/serve_load.py [--model tiny|embedded] [--compile] \
-        [--requests 1000] [--concurrency 32] [--max-tokens 16]
+        [--dtype float32|bfloat16] [--requests 1000] [--concurrency 32] [--max-tokens 16]
     .venv/bin/python bench/serve_load.py --url http://127.0.0.1:8000   # a running server
     .venv/bin/mlafx bench serve-load -- --model embedded --compile
 
@@ -200,6 +200,7 @@ def main() -> int:
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--compile", action="store_true", help="serve the compiled step")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -215,7 +216,8 @@ def main() -> int:
         print(report.summary())
         print(metrics_summary(args.url))
         return 1 if report.errors else 0
-    with ServerProcess(server_flags(args.model, compile=args.compile)) as server:
+    flags = server_flags(args.model, compile=args.compile, dtype=args.dtype)
+    with ServerProcess(flags) as server:
         report = run_load(
             server.url,
             "deepseek-v2-lite",
@@ -225,7 +227,7 @@ def main() -> int:
         )
         print(
             f"mlafx serve ({args.model} model, {'compiled' if args.compile else 'reference'} "
-            f"step, float32), {args.concurrency} clients, {args.max_tokens} tokens each, "
+            f"step, {args.dtype}), {args.concurrency} clients, {args.max_tokens} tokens each, "
             f"prompts of {args.min_prompt}-{args.max_prompt} tokens"
         )
         print(report.summary())

@@ -395,16 +395,15 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """An OpenAI-compatible HTTP server (see mlafx/serve/) until Ctrl-C."""
-    from mlafx.serve import serve
+    from mlafx.serve import bind, serve
 
-    llm = build_llm(args, **serving_options(args))
-    serve(
-        llm,
-        host=args.host,
-        port=args.port,
-        model_name=served_model_name(args),
-        log_level=args.log_level,
-    )
+    sock = bind(args.host, args.port)  # a busy port fails before the model loads
+    try:
+        llm = build_llm(args, **serving_options(args))
+    except BaseException:
+        sock.close()
+        raise
+    serve(llm, sock, model_name=served_model_name(args), log_level=args.log_level)
     return 0
 
 
@@ -413,6 +412,7 @@ BENCHMARKS = {
     "compiled-step": "compiled_step.py",
     "export": "export.py",
     "serve-load": "serve_load.py",
+    "e2e": "e2e/main.py",
 }
 
 

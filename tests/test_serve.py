@@ -262,3 +262,14 @@ def test_bounded_load_200_requests_from_16_clients(server):
     assert len(report.latencies_s) == 200 and report.output_tokens == 200 * 4
     values = metrics(server)
     assert values["num_requests_running"] == 0 and values["kv_cache_blocks_in_use"] == 0
+
+
+def test_a_busy_port_fails_before_the_model_loads(capsys):
+    from mlafx.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--no-compile", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

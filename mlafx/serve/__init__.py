@@ -2,6 +2,6 @@
 driven by a single engine thread. Sits above runtime and export; nothing imports it."""
 
 from mlafx.serve.app import create_app
-from mlafx.serve.server import serve
+from mlafx.serve.server import bind, serve
 
-__all__ = ["create_app", "serve"]
+__all__ = ["bind", "create_app", "serve"]

@@ -1,5 +1,5 @@
-"""Run the app with uvicorn on a socket bound up front, so ``port=0`` works: the bound
-address is known (and printed) before the first request can arrive."""
+"""Run the app with uvicorn on a socket bound up front: a busy port fails before the (slow)
+model load, and ``port=0`` works (the bound address is printed)."""
 
 from __future__ import annotations
 
@@ -26,17 +26,9 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(
-    llm: LLM,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    model_name: str,
-    log_level: str = "info",
-) -> None:
-    """Serve ``llm`` until interrupted (Ctrl-C / SIGTERM), then close it. Prints
-    ``mlafx serve: http://HOST:PORT (model NAME)`` once listening."""
-    sock = bind(host, port)
+def serve(llm: LLM, sock: socket.socket, *, model_name: str, log_level: str = "info") -> None:
+    """Serve ``llm`` on the listening ``sock`` (see ``bind``) until Ctrl-C / SIGTERM, then
+    close both. Prints ``mlafx serve: http://HOST:PORT (model NAME)`` when it starts."""
     bound_host, bound_port = sock.getsockname()[:2]
     app = create_app(llm, model_name)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
