@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from mlafx.export.aoti_runner import PackageRunner
 from mlafx.graph.capture import capture_step, sample_step, step_dynamic_shapes
 from mlafx.kernels.gemm_ops import pack_linear_weight
 from mlafx.models.deepseek import MLAForCausalLM
@@ -115,10 +116,10 @@ def build_aoti_package(program: torch.export.ExportedProgram, package: Path) -> 
     tmp.replace(package)  # atomic: a crashed compile never leaves a half package
 
 
-def load_aoti_package(package: Path, constants: dict[str, torch.Tensor]) -> object:
+def load_aoti_package(package: Path, constants: dict[str, torch.Tensor]) -> PackageRunner:
     """Load an AOTInductor package and hand it its weights (``load_constants``, shared with
     the caller: ``user_managed=True``). Every constant the package names must be given."""
-    runner = torch._inductor.aoti_load_package(str(package))
+    runner = PackageRunner(package)
     wanted = runner.get_constant_fqns()
     constants = with_packed_weights(constants, wanted)
     missing = sorted(set(wanted) - set(constants))
