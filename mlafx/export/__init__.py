@@ -1,6 +1,7 @@
 """Ahead-of-time artifacts (AOTInductor package, ``torch.export`` .pt2, ONNX).
 
 - ``compiled_step.py``: lower the step and AOT-compile it (shared with the engine's compiled path)
+- ``aoti_runner.py``: run an AOTInductor package without importing the compiler
 - ``artifact.py``: write an artifact directory, verify and load one
 - ``manifest.py``: manifest.json and the checks run before anything is loaded
 - ``weights.py``, ``isa.py``: the weights file; the CPU flags compiled code needs
