@@ -16,10 +16,12 @@ ALLOWED = {
     "graph": {"config", "models", "kernels"},
     "passes": {"config", "models", "graph", "kernels"},
     # runtime runs the compiled step that export/ packages (one code path for both)
-    "runtime": {"config", "models", "graph", "passes", "kernels", "export"},
+    "runtime": {"config", "models", "graph", "passes", "kernels", "export", "parallel"},
+    # tensor-parallel ranks: shard models, run the (compiled) step per rank
+    "parallel": {"config", "models", "graph", "passes", "kernels", "export"},
     "export": {"config", "models", "graph", "passes", "kernels"},
     # the HTTP server sits on top: it drives runtime's LLM; no layer imports it
-    "serve": {"config", "models", "graph", "passes", "kernels", "runtime", "export"},
+    "serve": {"config", "models", "graph", "passes", "kernels", "runtime", "export", "parallel"},
 }
 
 

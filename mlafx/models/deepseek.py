@@ -7,6 +7,8 @@ so checkpoints load directly (see ``mlafx.models.weights``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -19,8 +21,16 @@ from mlafx.models.step import StepMetadata
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    ``all_reduce`` is None (no op in the graph) unless ``mlafx.parallel`` made this layer a
+    tensor-parallel shard: then the attention and MLP outputs are per-rank partial sums
+    (row-parallel ``o_proj`` / ``down_proj``) and ``all_reduce`` sums them over the ranks.
+    """
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -38,10 +48,16 @@ class DecoderLayer(nn.Module):
         key_slots: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(
+        attn = self.self_attn(
             self.input_layernorm(x), cos, sin, cache, slot_mapping, key_slots, mask
         )
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.all_reduce is not None:
+            attn = self.all_reduce(attn)
+        x = x + attn
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        if self.all_reduce is not None:
+            mlp = self.all_reduce(mlp)
+        return x + mlp
 
 
 class Backbone(nn.Module):

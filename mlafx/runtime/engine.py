@@ -20,6 +20,7 @@ import torch
 from mlafx.config import ModelConfig, check_fits_in_memory
 from mlafx.config.presets import PRESETS
 from mlafx.models.loader import DTYPES, LoadFormat, build_model, torch_dtype
+from mlafx.parallel import WorkerGroup, check_shardable, start_workers
 from mlafx.runtime.block_hash import cache_fingerprint
 from mlafx.runtime.block_manager import BlockManager
 from mlafx.runtime.engine_core import EngineCore, StepFn
@@ -55,7 +56,14 @@ class LLM:
     Offline: ``generate(prompts, params)``. Incremental (a server's loop):
     ``add_request`` -> ``step()`` until ``has_unfinished_requests()`` is False;
     ``abort_request`` drops one. ``get_metrics()`` reports hit rates and throughput.
+
+    ``tensor_parallel_size=N > 1`` splits the model's heads and MLP widths over N worker
+    processes (``mlafx.parallel``; each with its own cores, shard, compiled step and copy of
+    the latent cache) that this process drives; ``close()`` stops them. Not with
+    ``kv_connector`` (the cache rows live in the workers).
     """
+
+    workers: WorkerGroup | None = None  # the tensor-parallel ranks, when there are any
 
     def __init__(
         self,
@@ -77,9 +85,17 @@ class LLM:
         progress: bool = True,
         compile: bool = True,
         compile_cache_dir: str | Path | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         cfg = ModelConfig.from_model(model, hf_overrides)
         torch_dtype(dtype)  # validates the name
+        if tensor_parallel_size != 1:
+            check_shardable(cfg, tensor_parallel_size)
+            if kv_connector is not None:
+                raise ValueError(
+                    "kv_connector is not supported with tensor_parallel_size > 1 (the latent "
+                    "cache rows live in the worker processes)"
+                )
         options = ServingOptions(
             block_size=block_size,
             max_model_len=max_model_len,
@@ -102,6 +118,23 @@ class LLM:
         # a bad store spec fails here, before the (slow) model build and compile
         connector = connect_kv_store(kv_connector, cfg, dtype, block_size)
         try:
+            if tensor_parallel_size != 1:
+                self.model, self.compiled = None, None
+                self.workers = start_workers(
+                    cfg,
+                    world_size=tensor_parallel_size,
+                    model_dir=None if model in PRESETS else str(model),
+                    load_format=load_format,
+                    dtype=dtype,
+                    seed=seed,
+                    block_size=block_size,
+                    num_blocks=options.num_blocks(cfg, dtype),
+                    compile=compile,
+                    compile_cache_dir=compile_cache_dir,
+                )
+                tokenizer = None if model in PRESETS else load_tokenizer(model)
+                self._start(cfg, self.workers, dtype, options, tokenizer, connector)
+                return
             self.model = build_model(
                 cfg,
                 dtype,
@@ -125,6 +158,8 @@ class LLM:
         except BaseException:
             if connector is not None and connector is not kv_connector:
                 connector.close()  # we opened it
+            if self.workers is not None:
+                self.workers.close()
             raise
 
     @classmethod
@@ -349,8 +384,10 @@ class LLM:
         return self.engine.metrics()
 
     def close(self) -> None:
-        """Release the KV connector's connections."""
+        """Release the KV connector's connections and stop the tensor-parallel workers."""
         self.engine.close()
+        if self.workers is not None:
+            self.workers.close()
 
     # ----- requests in and out -----
     def _as_prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

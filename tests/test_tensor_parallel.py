@@ -1,0 +1,196 @@
+"""Tensor parallelism (``LLM(tensor_parallel_size=2)``, ``mlafx.parallel``): greedy tokens
+equal to one process's, on the tiny config (compiled per rank) and on a transformers parity
+checkpoint (each rank loads and slices it); indivisible shapes refused before any process
+starts; a worker killed mid-request fails the engine within seconds; no worker outlives
+``close()`` or the driver's interpreter.
+
+Each group spawns 2 processes (~15 s to import and build on a busy 2-core machine); the
+compiled group's first run also compiles the rank step (~60 s cold, cached after that).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import mlafx
+from mlafx.config import ModelConfig
+from mlafx.graph.capture import capture_step
+from mlafx.models.loader import build_model
+from mlafx.parallel import TensorParallelError
+from mlafx.parallel.collectives import install_all_reduce
+from mlafx.parallel.sharding import shard_config, shard_model
+from tests.engine_compare import assert_same_greedy, greedy_params, random_prompts, reference_alone
+from tests.greedy_compare import compare_greedy
+from tests.test_parity_transformers import NEW_TOKENS, PROMPTS, make_checkpoint, reference_generate
+from tests.tiny_models import TINY_OVERRIDES, tiny_llm
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _gone(pid: int) -> bool:
+    """The process no longer exists (or is a zombie waiting for its reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if not _gone(p)]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "bad"),
+    [
+        ({"num_attention_heads": 3, "num_key_value_heads": 3}, "num_attention_heads=3"),
+        ({"moe_intermediate_size": 33}, "moe_intermediate_size=33"),
+        ({"intermediate_size": 95}, "intermediate_size=95"),
+    ],
+)
+def test_indivisible_shapes_are_refused_before_any_worker_starts(overrides, bad):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size=2 .* does not divide {bad}"):
+        tiny_llm(hf_overrides={**TINY_OVERRIDES, **overrides}, tensor_parallel_size=2)
+
+
+def test_shard_config_splits_heads_and_intermediate_widths_only():
+    cfg = ModelConfig.from_model("deepseek-v2-lite", TINY_OVERRIDES)
+    shard = shard_config(cfg, 2)
+    assert (shard.num_attention_heads, shard.intermediate_size, shard.moe_intermediate_size) == (
+        2,
+        48,
+        16,
+    )
+    assert shard.n_routed_experts == cfg.n_routed_experts
+    assert shard.latent_width == cfg.latent_width  # the cache row is not split
+
+
+def test_kv_connector_is_refused_with_tensor_parallelism(tmp_path):
+    with pytest.raises(ValueError, match="kv_connector is not supported"):
+        tiny_llm(tensor_parallel_size=2, kv_connector=f"disk:{tmp_path}")
+
+
+@pytest.fixture(scope="module")
+def tp2_compiled():
+    llm = tiny_llm(tensor_parallel_size=2, compile=True)
+    pids = llm.workers.pids
+    yield llm
+    llm.close()
+    assert _wait_gone(pids, 5.0) == [], "workers outlived close()"
+
+
+def test_compiled_tp2_greedy_matches_one_process(tp2_compiled):
+    """Batched, chunked (budget 24 tokens), prefix-cached serving on two compiled ranks
+    against each prompt alone in one process (reference model)."""
+    prompts = random_prompts(5, 3, 40, seed=9)
+    prompts.append(prompts[0] + [7, 8, 9, 10, 11])  # a prefix-cache hit
+    refs = reference_alone(prompts, max_tokens=12)
+    engine = tp2_compiled.engine
+    engine.scheduler.max_num_batched_tokens = 24
+    outputs = tp2_compiled.generate(prompts, greedy_params(12, logprobs=1))
+    engine.scheduler.max_num_batched_tokens = 2048
+    assert_same_greedy(refs, outputs, "tp2 compiled")
+    assert outputs[-1].num_cached_tokens > 0
+
+
+def test_a_killed_worker_fails_the_request_within_seconds(tp2_compiled):
+    llm = tp2_compiled
+    pids = llm.workers.pids
+    llm.add_request([3, 4, 5, 6, 7, 8, 9, 10], greedy_params(400))
+    llm.step()
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(pids[1], signal.SIGKILL)
+
+    killer = threading.Timer(0.3, kill)
+    killer.start()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(pid \d+\) exited with code -9"):
+        while llm.has_unfinished_requests():
+            llm.step()
+    killer.join()
+    assert time.monotonic() - killed_at[0] < 5.0
+    assert _wait_gone(pids, 5.0) == [], "rank 0 outlived the failed group"
+    with pytest.raises(TensorParallelError, match="failed earlier"):
+        llm.step()
+
+
+def test_tp2_matches_transformers_on_a_v3_checkpoint(tmp_path):
+    """V3 shape (q LoRA: q_b_proj split; sigmoid noaux_tc routing over 8 experts; a dense
+    first layer), weights loaded and sliced by each rank, reference path per rank."""
+    hf_model = make_checkpoint("v3_noaux_tc", tmp_path)
+    llm = mlafx.LLM(
+        str(tmp_path),
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=64,
+        compile=False,
+        progress=False,
+        tensor_parallel_size=2,
+    )
+    try:
+        outputs = llm.generate(PROMPTS, greedy_params(NEW_TOKENS))
+    finally:
+        llm.close()
+    compared = 0
+    for i, (prompt, out) in enumerate(zip(PROMPTS, outputs, strict=True)):
+        tokens, logprobs = reference_generate(hf_model, prompt)
+        got = out.outputs[0]
+        got_logprobs = [top[t] for t, top in zip(got.token_ids, got.logprobs, strict=True)]
+        compared += compare_greedy(
+            tokens, logprobs, got.token_ids, got_logprobs, logprob_tol=2e-4, label=f"v3 #{i}"
+        ).compared
+    assert compared >= len(PROMPTS) * NEW_TOKENS * 3 // 4
+
+
+def test_no_worker_outlives_the_driver_interpreter():
+    """The driver exits without ``close()``: the workers go with it."""
+    script = (
+        "from tests.tiny_models import tiny_llm\n"
+        "llm = tiny_llm(tensor_parallel_size=2)\n"
+        "print(*llm.workers.pids, flush=True)\n"
+        "llm.generate([[5, 6, 7]])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    assert _wait_gone(pids, 5.0) == []
+
+
+def _all_reduces(model) -> int:
+    graph = capture_step(model, block_size=4).graph
+    return sum(1 for n in graph.nodes if n.target is torch.ops.mlafx_tp.all_reduce_sum.default)
+
+
+def test_only_shard_graphs_hold_all_reduces():
+    """tensor_parallel_size=1 captures no collective; a shard captures one after each
+    layer's attention and one after its MLP."""
+    full = build_model(
+        ModelConfig.from_model("deepseek-v2-lite", TINY_OVERRIDES), "float32", "dummy"
+    )
+    assert all(getattr(m, "all_reduce", None) is None for m in full.modules())
+    assert _all_reduces(full) == 0
+    shard = shard_model(full, 1, 2)
+    assert install_all_reduce(shard) == full.config.num_hidden_layers
+    assert _all_reduces(shard) == 2 * full.config.num_hidden_layers
