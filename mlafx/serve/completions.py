@@ -30,6 +30,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from mlafx.serve.choice import ChoiceDelta, ChoiceState
 from mlafx.serve.engine_loop import EngineError, EngineLoop, Submission
@@ -130,9 +131,7 @@ async def create_completion(
     except (ValueError, TypeError) as e:
         raise APIError(str(e), param="prompt") from None
     if body.stream:
-        return StreamingResponse(
-            stream_events(completion, submission), media_type="text/event-stream"
-        )
+        return CompletionStream(stream_events(completion, submission), submission)
     watcher = asyncio.ensure_future(wait_for_disconnect(request))
     collector = asyncio.ensure_future(collect(completion, submission))
     try:
@@ -161,24 +160,36 @@ async def collect(completion: Completion, submission: Submission) -> dict[str, A
     }
 
 
-async def stream_events(completion: Completion, submission: Submission) -> AsyncIterator[str]:
-    """Server-sent events; if the client disconnects, the response task is cancelled at an
-    ``await`` here and ``finally`` aborts what is still running."""
-    try:
+class CompletionStream(StreamingResponse):
+    """Server-sent events whose requests are aborted however the response ends: Starlette
+    cancels a stream whose client disconnects, possibly before its first event."""
+
+    def __init__(self, events: AsyncIterator[str], submission: Submission) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.submission = submission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            while (step := await completion.next_delta(submission)) is not None:
-                index, delta = step
-                if delta.text or delta.token_ids or delta.finish_reason:
-                    yield sse(completion.envelope([choice_json(index, delta)]))
-        except EngineError as e:
-            yield sse(APIError(str(e), status=500, type=SERVER_ERROR).body())
-        else:
-            options = completion.body.stream_options
-            if options is not None and options.include_usage:
-                yield sse({**completion.envelope([]), "usage": completion.usage()})
-        yield "data: [DONE]\n\n"
-    finally:
-        submission.abort_unfinished()
+            await super().__call__(scope, receive, send)
+        finally:
+            self.submission.abort_unfinished()
+
+
+async def stream_events(completion: Completion, submission: Submission) -> AsyncIterator[str]:
+    """The events: a chunk per change of a choice, then usage if asked, then ``[DONE]``;
+    an engine failure mid-stream is an error event (the status line is already sent)."""
+    try:
+        while (step := await completion.next_delta(submission)) is not None:
+            index, delta = step
+            if delta.text or delta.token_ids or delta.finish_reason:
+                yield sse(completion.envelope([choice_json(index, delta)]))
+    except EngineError as e:
+        yield sse(APIError(str(e), status=500, type=SERVER_ERROR).body())
+    else:
+        options = completion.body.stream_options
+        if options is not None and options.include_usage:
+            yield sse({**completion.envelope([]), "usage": completion.usage()})
+    yield "data: [DONE]\n\n"
 
 
 def sse(payload: dict[str, Any]) -> str:

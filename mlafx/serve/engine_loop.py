@@ -168,12 +168,20 @@ class EngineLoop:
                     if item is _STOP:
                         self._fail_all(EngineError("the server is shutting down"))
                         return
-                    item()
+                    self._run_command(item)
                     item = self._inbox.get_nowait()
             except queue.Empty:
                 pass
             if self.llm.has_unfinished_requests():
                 self._step()
+
+    def _run_command(self, command: Command) -> None:
+        """Commands from ``call`` hand their errors to their caller; an abort that fails
+        is logged: either way the thread goes on."""
+        try:
+            command()
+        except Exception:
+            log.exception("engine command failed")
 
     def _step(self) -> None:
         try:
