@@ -24,6 +24,7 @@ import torch
 
 import mlafx
 from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES
+from mlafx.parallel import TensorParallelError
 from mlafx.runtime import LLM, RequestOutput, SamplingParams
 from mlafx.runtime.kv_connector.base import KVConnectorError
 
@@ -113,6 +114,13 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="share computed prefixes through a KV store: disk:PATH or redis://HOST:PORT",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over N worker processes (torch.distributed, gloo), each on "
+        "1/N of the cores; not with --kv-connector or --artifact",
+    )
 
 
 def serving_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,7 +136,10 @@ def serving_options(args: argparse.Namespace) -> dict[str, Any]:
 def build_llm(args: argparse.Namespace, **serving: Any) -> LLM:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
     if getattr(args, "artifact", None) is not None:
+        if tensor_parallel_size != 1:
+            raise ValueError("--tensor-parallel-size cannot be combined with --artifact")
         return llm_from_artifact(args, **serving)
     model, overrides = args.model, args.hf_overrides
     load_format = args.load_format
@@ -147,6 +158,7 @@ def build_llm(args: argparse.Namespace, **serving: Any) -> LLM:
         seed=args.seed,
         progress=sys.stderr.isatty(),
         compile=args.compile,
+        tensor_parallel_size=tensor_parallel_size,
         **serving,
     )
 
@@ -271,8 +283,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     demo = args.prompt_token_ids is None
     serving = serving_options(args)
     with tempfile.TemporaryDirectory(prefix="mlafx-demo-store-") as store:
-        if demo and serving["kv_connector"] is None:
-            serving["kv_connector"] = f"disk:{store}"  # the demo's second engine shares it
+        # the demo's second engine shares a KV store (not with tensor parallelism)
+        store_demo = demo and args.tensor_parallel_size == 1
+        if store_demo and serving["kv_connector"] is None:
+            serving["kv_connector"] = f"disk:{store}"
         start = time.perf_counter()
         llm = build_llm(args, **serving)
         load_seconds = time.perf_counter() - start
@@ -286,7 +300,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             stats = summarize(outputs, time.perf_counter() - start)
             metrics = llm.get_metrics()
             longest = max(outputs, key=lambda o: len(o.prompt_token_ids))
-            reuse = prefix_reuse_demo(args, serving, llm, longest, params) if demo else None
+            reuse = prefix_reuse_demo(args, serving, llm, longest, params) if store_demo else None
         finally:
             llm.close()
     if args.json:
@@ -513,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, KVConnectorError) as e:  # bad input: a clear message
+    except (ValueError, TypeError, KVConnectorError, TensorParallelError) as e:  # a clear message
         print(f"mlafx {args.command}: error: {e}", file=sys.stderr)
         return 2
 

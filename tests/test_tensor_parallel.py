@@ -10,6 +10,7 @@ compiled group's first run also compiles the rank step (~60 s cold, cached after
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -194,3 +195,15 @@ def test_only_shard_graphs_hold_all_reduces():
     shard = shard_model(full, 1, 2)
     assert install_all_reduce(shard) == full.config.num_hidden_layers
     assert _all_reduces(shard) == 2 * full.config.num_hidden_layers
+
+
+def test_cli_passes_tensor_parallel_size_and_refuses_what_it_cannot_combine(tmp_path, capsys):
+    from mlafx.cli import main
+
+    tiny = ["--hf-overrides", json.dumps(TINY_OVERRIDES), "--no-compile"]
+    assert main(["run", *tiny, "--tensor-parallel-size", "2", "--kv-connector", "disk:x"]) == 2
+    assert "kv_connector is not supported with tensor_parallel_size > 1" in capsys.readouterr().err
+    assert main(["run", *tiny, "--tensor-parallel-size", "3"]) == 2
+    assert "does not divide num_attention_heads=4" in capsys.readouterr().err
+    assert main(["run", "--artifact", str(tmp_path), "--tensor-parallel-size", "2"]) == 2
+    assert "cannot be combined with --artifact" in capsys.readouterr().err
