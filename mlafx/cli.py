@@ -121,6 +121,14 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
         help="split the model over N worker processes (torch.distributed, gloo), each on "
         "1/N of the cores; not with --kv-connector or --artifact",
     )
+    parser.add_argument(
+        "--tensor-parallel-local-ranks",
+        type=int,
+        default=None,
+        metavar="L",
+        help="start ranks 0..L-1 here; the others run on other machines "
+        "(python -m mlafx.parallel.remote --rank R; rendezvous: MASTER_ADDR/MASTER_PORT)",
+    )
 
 
 def serving_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -159,6 +167,7 @@ def build_llm(args: argparse.Namespace, **serving: Any) -> LLM:
         progress=sys.stderr.isatty(),
         compile=args.compile,
         tensor_parallel_size=tensor_parallel_size,
+        tensor_parallel_local_ranks=getattr(args, "tensor_parallel_local_ranks", None),
         **serving,
     )
 

@@ -13,21 +13,23 @@ for the collective timeout) and this and every later step raise ``TensorParallel
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
 import weakref
 from dataclasses import replace
-from multiprocessing.connection import Connection, wait
-from typing import Any
+from multiprocessing.connection import Connection, Listener, wait
+from typing import Any, NoReturn
 
 import torch
 
 from mlafx.config import ModelConfig
 from mlafx.models.step import StepMetadata
 from mlafx.parallel.wire import dumps, loads, step_to_wire, tensor_from_wire
-from mlafx.parallel.worker import WorkerSpec, worker_main
+from mlafx.parallel.worker import WorkerSpec, remote_authkey, worker_main
 
 log = logging.getLogger(__name__)
 
@@ -53,34 +55,34 @@ def core_slices(world_size: int) -> list[tuple[tuple[int, ...], int]]:
 
 
 class _Workers:
-    """The processes and pipes; ``shutdown`` is also the finaliser run at interpreter exit,
-    so it must not refer to the ``WorkerGroup``."""
+    """The ranks' pipes (or sockets) and local processes; ``shutdown`` is also the
+    finaliser run at interpreter exit, so it must not refer to the ``WorkerGroup``."""
 
     def __init__(self) -> None:
-        self.processes: list[Any] = []
-        self.conns: list[Connection] = []
+        self.conns: dict[int, Connection] = {}
+        self.processes: dict[int, Any] = {}  # local ranks only
 
     def shutdown(self, graceful: bool) -> None:
         if graceful:
-            for conn in self.conns:
+            for conn in self.conns.values():
                 try:
                     conn.send_bytes(dumps(("close", None)))
                 except OSError:
                     pass
         deadline = time.monotonic() + (5.0 if graceful else 0.0)
-        for p in self.processes:
+        for p in self.processes.values():
             p.join(max(0.0, deadline - time.monotonic()))
-        for p in self.processes:
+        for p in self.processes.values():
             if p.is_alive():
                 p.terminate()
-        for p in self.processes:
+        for p in self.processes.values():
             p.join(2.0)
             if p.is_alive():
                 p.kill()
                 p.join()
-        for conn in self.conns:
-            conn.close()
-        self.processes, self.conns = [], []
+        for conn in self.conns.values():
+            conn.close()  # a remote rank sees the end of its connection and exits
+        self.processes, self.conns = {}, {}
 
 
 class WorkerGroup:
@@ -88,26 +90,35 @@ class WorkerGroup:
     filled in per rank), build and compile their shards, connect them; then callable as
     the engine's step: ``(input_ids, positions, caches, meta, logits_indices) -> logits``
     (rank 0's; the driver's ``caches`` are not used: every rank writes its own copy of the
-    latent cache)."""
+    latent cache).
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.world_size = spec.world_size
+    Ranks ``0 .. local_ranks - 1`` are processes of this machine, splitting its cores; the
+    others are started on other machines (``python -m mlafx.parallel.remote --rank R``,
+    see there) and connect to ``MASTER_ADDR:MASTER_PORT+1`` within ``connect_timeout``
+    seconds. Rank 0 is always local: it hosts the process group's store at
+    ``MASTER_ADDR:MASTER_PORT`` (default ``127.0.0.1`` and a free port)."""
+
+    def __init__(
+        self, spec: WorkerSpec, local_ranks: int | None = None, connect_timeout: float = 300.0
+    ) -> None:
+        world_size = spec.world_size
+        local_ranks = world_size if local_ranks is None else local_ranks
+        if not 1 <= local_ranks <= world_size:
+            raise ValueError(f"local ranks must be in 1..{world_size}, got {local_ranks}")
+        self.world_size = world_size
         self._failure: str | None = None
         self._workers = _Workers()
         self._finalizer = weakref.finalize(self, self._workers.shutdown, False)
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ.get("MASTER_PORT") or free_port(addr))
+        spec = replace(spec, master_addr=addr, master_port=port)
+        listener = None
+        if local_ranks < world_size:  # listen before anything slow: remote ranks may wait
+            listener = Listener((addr, port + 1), authkey=remote_authkey())
         ctx = mp.get_context("spawn")  # never fork a process that holds OpenMP threads
         try:
-            for rank, (cores, threads) in enumerate(core_slices(spec.world_size)):
-                rank_spec = replace(
-                    spec,
-                    rank=rank,
-                    master_addr=addr,
-                    master_port=port,
-                    cores=cores,
-                    threads=threads,
-                )
+            for rank, (cores, threads) in enumerate(core_slices(local_ranks)):
+                rank_spec = replace(spec, rank=rank, cores=cores, threads=threads)
                 driver_end, worker_end = ctx.Pipe()
                 process = ctx.Process(
                     target=worker_main,
@@ -116,22 +127,72 @@ class WorkerGroup:
                 )
                 process.start()
                 worker_end.close()
-                self._workers.processes.append(process)
-                self._workers.conns.append(driver_end)
-            ranks = list(range(spec.world_size))
+                self._workers.processes[rank] = process
+                self._workers.conns[rank] = driver_end
+            if listener is not None:
+                self._accept_remote(listener, spec, local_ranks, connect_timeout)
+            ranks = list(range(world_size))
             self._collect(ranks, "build its shard")
-            # Rank 0 compiles alone; the others then load its package from the cache.
+            # Rank 0 compiles alone; the others then load its package from the cache (a
+            # rank on another machine compiles its own the first time).
             self._command([0], "compile", None, "compile its step")
             self._command(ranks[1:], "compile", None, "load the compiled step")
             self._command(ranks, "connect", None, f"join the process group at {addr}:{port}")
         except BaseException:
             self._finalizer()
             raise
-        log.info("tensor parallel: %d ranks, pids %s", spec.world_size, self.pids)
+        finally:
+            if listener is not None:
+                listener.close()
+        log.info("tensor parallel: %d ranks, local pids %s", world_size, self.pids)
+
+    def _accept_remote(
+        self, listener: Listener, spec: WorkerSpec, local_ranks: int, timeout: float
+    ) -> None:
+        """Accept ranks ``local_ranks ..`` (each says which it is), send each its spec."""
+        wanted = set(range(local_ranks, spec.world_size))
+        accepted: dict[int, Connection] = {}
+        closing = threading.Event()
+
+        def accept() -> None:
+            while wanted - accepted.keys():
+                try:
+                    conn = listener.accept()
+                    kind, rank = loads(conn.recv_bytes())
+                except (OSError, EOFError, multiprocessing.AuthenticationError):
+                    if closing.is_set():  # the timeout closed the listener
+                        return
+                    continue  # a client with the wrong key, or gone: keep listening
+                if kind != "hello" or rank not in wanted or rank in accepted:
+                    conn.send_bytes(dumps(("error", f"rank {rank!r} is not expected")))
+                    conn.close()
+                    continue
+                accepted[rank] = conn
+
+        thread = threading.Thread(target=accept, name="mlafx-tp-accept", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        missing = sorted(wanted - accepted.keys())
+        if missing:
+            closing.set()
+            listener.close()
+            thread.join(5.0)
+            for conn in accepted.values():
+                conn.close()
+            raise TensorParallelError(
+                f"tensor-parallel rank(s) {missing} did not connect to {listener.address} "
+                f"within {timeout:.0f} s: on their machines run `MASTER_ADDR="
+                f"{spec.master_addr} MASTER_PORT={spec.master_port} MLAFX_TP_AUTHKEY=... "
+                "python -m mlafx.parallel.remote --rank R`"
+            )
+        for rank, conn in accepted.items():
+            conn.send_bytes(dumps(replace(spec, rank=rank)))
+            self._workers.conns[rank] = conn
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._workers.processes]
+        """The process ids of the local ranks, in rank order."""
+        return [p.pid for _, p in sorted(self._workers.processes.items())]
 
     def __call__(
         self,
@@ -169,7 +230,8 @@ class WorkerGroup:
         replies: dict[int, Any] = {}
         while len(replies) < len(ranks):
             pending = [r for r in ranks if r not in replies]
-            ready = wait([conns[r] for r in pending] + [processes[r].sentinel for r in pending])
+            sentinels = {processes[r].sentinel: r for r in pending if r in processes}
+            ready = wait([conns[r] for r in pending] + list(sentinels))
             for rank in pending:
                 if conns[rank] in ready:
                     try:
@@ -181,15 +243,24 @@ class WorkerGroup:
                         continue
                     if status == "error":
                         self._fail(f"tensor-parallel rank {rank} failed to {what}: {value}")
-                if conns[rank] in ready or processes[rank].sentinel in ready:
-                    processes[rank].join(1.0)
-                    self._fail(
-                        f"tensor-parallel rank {rank} (pid {processes[rank].pid}) exited with "
-                        f"code {processes[rank].exitcode} while asked to {what}"
-                    )
+                    self._fail_dead(rank, what)
+                elif rank in processes and processes[rank].sentinel in ready:
+                    self._fail_dead(rank, what)
         return [replies[r] for r in ranks]
 
-    def _fail(self, message: str) -> None:
+    def _fail_dead(self, rank: int, what: str) -> NoReturn:
+        process = self._workers.processes.get(rank)
+        if process is None:
+            self._fail(
+                f"tensor-parallel rank {rank} (remote) closed its connection while asked to {what}"
+            )
+        process.join(1.0)
+        self._fail(
+            f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
+            f"{process.exitcode} while asked to {what}"
+        )
+
+    def _fail(self, message: str) -> NoReturn:
         self._failure = message
         self.close()
         raise TensorParallelError(message)
@@ -213,10 +284,12 @@ def start_workers(
     num_blocks: int,
     compile: bool,
     compile_cache_dir: str | os.PathLike[str] | None,
+    local_ranks: int | None = None,
 ) -> WorkerGroup:
     """A started ``WorkerGroup`` for the full model ``config`` (see ``sharding`` for the
-    split). Packages go to ``<compile cache>/tp<N>``: a shard's graph holds all-reduces that
-    an unsharded model of the same shapes does not, so the two must never share a key."""
+    split; ``local_ranks``: see ``WorkerGroup``). Packages go to ``<compile cache>/tp<N>``:
+    a shard's graph holds all-reduces that an unsharded model of the same shapes does not,
+    so the two must never share a key."""
     from pathlib import Path
 
     from mlafx.export.compiled_step import default_cache_dir
@@ -241,4 +314,4 @@ def start_workers(
         cores=(),
         threads=1,
     )
-    return WorkerGroup(spec)
+    return WorkerGroup(spec, local_ranks)

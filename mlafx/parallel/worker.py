@@ -138,9 +138,23 @@ def _bind_cores(spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.threads)
 
 
-def worker_main(spec: WorkerSpec, conn: Connection, parent_pid: int) -> None:
-    """The process entry point of rank ``spec.rank``."""
-    _exit_with_parent(parent_pid)
+def remote_authkey() -> bytes:
+    """The shared secret of remote ranks and their driver (``MLAFX_TP_AUTHKEY``): the
+    connection carries pickles, so only a peer that knows it may connect."""
+    key = os.environ.get("MLAFX_TP_AUTHKEY")
+    if not key:
+        raise ValueError(
+            "ranks on other machines need a shared secret: set MLAFX_TP_AUTHKEY (the same "
+            "value) for the driver and every remote rank"
+        )
+    return key.encode()
+
+
+def worker_main(spec: WorkerSpec, conn: Connection, parent_pid: int | None) -> None:
+    """Serve rank ``spec.rank`` over ``conn`` until told to close or the driver is gone.
+    ``parent_pid``: the driver's pid, for a local rank (exit as soon as it is gone)."""
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
     try:
         rank = _Rank(spec)
         conn.send_bytes(dumps(("ok", None)))

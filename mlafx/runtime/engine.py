@@ -60,7 +60,9 @@ class LLM:
     ``tensor_parallel_size=N > 1`` splits the model's heads and MLP widths over N worker
     processes (``mlafx.parallel``; each with its own cores, shard, compiled step and copy of
     the latent cache) that this process drives; ``close()`` stops them. Not with
-    ``kv_connector`` (the cache rows live in the workers).
+    ``kv_connector`` (the cache rows live in the workers). ``tensor_parallel_local_ranks=L``
+    starts only ranks 0..L-1 here; the others run on other machines
+    (``python -m mlafx.parallel.remote``; rendezvous by ``MASTER_ADDR``/``MASTER_PORT``).
     """
 
     workers: WorkerGroup | None = None  # the tensor-parallel ranks, when there are any
@@ -86,9 +88,12 @@ class LLM:
         compile: bool = True,
         compile_cache_dir: str | Path | None = None,
         tensor_parallel_size: int = 1,
+        tensor_parallel_local_ranks: int | None = None,
     ) -> None:
         cfg = ModelConfig.from_model(model, hf_overrides)
         torch_dtype(dtype)  # validates the name
+        if tensor_parallel_local_ranks is not None and tensor_parallel_size == 1:
+            raise ValueError("tensor_parallel_local_ranks needs tensor_parallel_size > 1")
         if tensor_parallel_size != 1:
             check_shardable(cfg, tensor_parallel_size)
             if kv_connector is not None:
@@ -131,6 +136,7 @@ class LLM:
                     num_blocks=options.num_blocks(cfg, dtype),
                     compile=compile,
                     compile_cache_dir=compile_cache_dir,
+                    local_ranks=tensor_parallel_local_ranks,
                 )
                 tokenizer = None if model in PRESETS else load_tokenizer(model)
                 self._start(cfg, self.workers, dtype, options, tokenizer, connector)
