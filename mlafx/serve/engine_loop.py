@@ -48,8 +48,11 @@ class Submission:
         self._unfinished: set[int] = set(range(num_prompts))
 
     def _push(self, item: tuple[int, RequestOutput] | BaseException) -> None:
-        """Called on the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        """Called on the engine thread; dropped if the event loop is gone (nobody waits)."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed
+            pass
 
     @property
     def finished(self) -> bool:
@@ -203,6 +206,6 @@ class EngineLoop:
         """Abort every routed request and hand ``error`` to its submission."""
         failed = {id(s): s for s, _ in self._routes.values()}
         for request_id in list(self._routes):
-            self._abort(request_id)
+            self._run_command(lambda rid=request_id: self._abort(rid))
         for submission in failed.values():
             submission._push(error)
