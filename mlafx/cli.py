@@ -436,6 +436,7 @@ BENCHMARKS = {
     "export": "export.py",
     "serve-load": "serve_load.py",
     "e2e": "e2e/main.py",
+    "tensor-parallel": "tensor_parallel.py",
 }
 
 

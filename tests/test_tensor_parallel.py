@@ -26,6 +26,7 @@ import mlafx
 from mlafx.config import ModelConfig
 from mlafx.graph.capture import capture_step
 from mlafx.models.loader import build_model
+from mlafx.models.step import SequenceSpan, build_step_inputs
 from mlafx.parallel import TensorParallelError
 from mlafx.parallel.collectives import install_all_reduce
 from mlafx.parallel.group import free_port
@@ -128,6 +129,22 @@ def test_a_killed_worker_fails_the_request_within_seconds(tp2_compiled):
     assert _wait_gone(pids, 5.0) == [], "rank 0 outlived the failed group"
     with pytest.raises(TensorParallelError, match="failed earlier"):
         llm.step()
+
+
+def test_a_worker_that_raises_reports_its_traceback():
+    """A step the ranks cannot run (a token id past the vocabulary, which the engine's own
+    checks would refuse) raises in every rank; the driver reports the first traceback."""
+    llm = tiny_llm(tensor_parallel_size=2, num_kv_blocks=8)
+    pids = llm.workers.pids
+    try:
+        step = build_step_inputs([SequenceSpan([3, 10**6], 0, 2, [1])], llm.block_size)
+        with pytest.raises(TensorParallelError, match=r"rank \d failed to run a step(.|\n)*Error"):
+            llm.workers(step.input_ids, step.positions, [], step.meta, step.logits_indices)
+        with pytest.raises(TensorParallelError, match="failed earlier"):
+            llm.generate([[3, 4]])
+    finally:
+        llm.close()
+    assert _wait_gone(pids, 5.0) == []
 
 
 def test_tp2_with_a_remote_rank_matches_transformers_on_a_v3_checkpoint(tmp_path, monkeypatch):
