@@ -1,19 +1,19 @@
-"""The driver's side of tensor parallelism: N local worker processes (ranks 0..N-1) and
-the step callable the engine runs.
+"""The driver's side of tensor parallelism: N ranks (worker processes of this machine, and
+optionally of others: ``remote``) and the step callable the engine runs.
 
 The driver is not a rank: it never waits inside a collective, so it can always notice a
-failed worker. Each step it sends the step's inputs to every rank over that rank's pipe and
-waits for all of them (``multiprocessing.connection.wait`` on the pipes and the process
-sentinels): rank 0 answers with the logits, the others with an acknowledgement. A worker
-that raises (it sends its traceback) or dies (its sentinel fires) fails the group: the other
-workers are terminated (a rank stuck in an all-reduce with a dead peer would otherwise wait
-for the collective timeout) and this and every later step raise ``TensorParallelError``.
+failed worker. Each step it sends the step's inputs to every rank over that rank's pipe (a
+socket for a remote rank) and waits for all of them (``multiprocessing.connection.wait`` on
+the connections and the local processes' sentinels): rank 0 answers with the logits, the
+others with an acknowledgement. A worker that raises (it sends its traceback) or dies (its
+sentinel fires, or its connection ends) fails the group: the other workers are terminated
+(a rank stuck in an all-reduce with a dead peer would otherwise wait for the collective
+timeout) and this and every later step raise ``TensorParallelError``.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import multiprocessing as mp
 import os
 import socket
@@ -22,12 +22,14 @@ import time
 import weakref
 from dataclasses import replace
 from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
 from mlafx.config import ModelConfig
 from mlafx.models.step import StepMetadata
+from mlafx.parallel.sharding import check_shardable
 from mlafx.parallel.wire import dumps, loads, step_to_wire, tensor_from_wire
 from mlafx.parallel.worker import WorkerSpec, remote_authkey, worker_main
 
@@ -159,7 +161,7 @@ class WorkerGroup:
                 try:
                     conn = listener.accept()
                     kind, rank = loads(conn.recv_bytes())
-                except (OSError, EOFError, multiprocessing.AuthenticationError):
+                except (OSError, EOFError, mp.AuthenticationError):
                     if closing.is_set():  # the timeout closed the listener
                         return
                     continue  # a client with the wrong key, or gone: keep listening
@@ -290,10 +292,7 @@ def start_workers(
     split; ``local_ranks``: see ``WorkerGroup``). Packages go to ``<compile cache>/tp<N>``:
     a shard's graph holds all-reduces that an unsharded model of the same shapes does not,
     so the two must never share a key."""
-    from pathlib import Path
-
     from mlafx.export.compiled_step import default_cache_dir
-    from mlafx.parallel.sharding import check_shardable
 
     check_shardable(config, world_size)
     base = default_cache_dir() if compile_cache_dir is None else Path(compile_cache_dir)

@@ -1,5 +1,6 @@
 """One tensor-parallel rank: a process with its own cores, thread pool, shard model,
-compiled step and latent caches, driven over a pipe by ``group.WorkerGroup``.
+compiled step and latent caches, driven by ``group.WorkerGroup`` over a pipe (a socket for
+a rank on another machine, see ``remote``).
 
 Protocol (each message a pickled tuple; see ``wire``): the worker builds its shard and sends
 ``("ok", None)``; then, per driver command, replies ``("ok", payload)`` or, if the command
