@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import threading
 import time
@@ -156,6 +157,9 @@ def worker_main(spec: WorkerSpec, conn: Connection, parent_pid: int | None) -> N
     ``parent_pid``: the driver's pid, for a local rank (exit as soon as it is gone)."""
     if parent_pid is not None:
         _exit_with_parent(parent_pid)
+        # Ctrl-C in a terminal reaches the whole process group: the driver handles it (and
+        # stops the ranks); a rank interrupted mid-step would only obscure the error.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         rank = _Rank(spec)
         conn.send_bytes(dumps(("ok", None)))
