@@ -1,6 +1,8 @@
 """Tensor parallelism (``LLM(tensor_parallel_size=2)``, ``mlafx.parallel``): greedy tokens
-equal to one process's, on the tiny config (compiled per rank) and on a transformers parity
-checkpoint (each rank loads and slices it); indivisible shapes refused before any process
+equal to one process's, on the tiny config (compiled per rank) and transformers' on a parity
+checkpoint (each rank loads and slices it; rank 1 started as a rank on another machine
+would be); a collective in the shard graph after each attention and MLP, none unsharded;
+indivisible shapes refused before any process
 starts; a worker killed mid-request fails the engine within seconds; no worker outlives
 ``close()`` or the driver's interpreter.
 
@@ -87,7 +89,7 @@ def test_kv_connector_is_refused_with_tensor_parallelism(tmp_path):
 
 @pytest.fixture(scope="module")
 def tp2_compiled():
-    llm = tiny_llm(tensor_parallel_size=2, compile=True)
+    llm = tiny_llm(tensor_parallel_size=2, compile=True, max_num_batched_tokens=24)
     pids = llm.workers.pids
     yield llm
     llm.close()
@@ -100,10 +102,7 @@ def test_compiled_tp2_greedy_matches_one_process(tp2_compiled):
     prompts = random_prompts(5, 3, 40, seed=9)
     prompts.append(prompts[0] + [7, 8, 9, 10, 11])  # a prefix-cache hit
     refs = reference_alone(prompts, max_tokens=12)
-    engine = tp2_compiled.engine
-    engine.scheduler.max_num_batched_tokens = 24
     outputs = tp2_compiled.generate(prompts, greedy_params(12, logprobs=1))
-    engine.scheduler.max_num_batched_tokens = 2048
     assert_same_greedy(refs, outputs, "tp2 compiled")
     assert outputs[-1].num_cached_tokens > 0
 
