@@ -70,6 +70,12 @@ def test_indivisible_shapes_are_refused_before_any_worker_starts(overrides, bad)
         tiny_llm(hf_overrides={**TINY_OVERRIDES, **overrides}, tensor_parallel_size=2)
 
 
+def test_ranks_that_cannot_fit_in_memory_are_refused_before_starting(monkeypatch):
+    monkeypatch.setattr("mlafx.parallel.group.available_memory_bytes", lambda: 1 << 20)
+    with pytest.raises(ValueError, match=r"2 tensor-parallel rank\(s\) of deepseek_v2 need"):
+        tiny_llm(tensor_parallel_size=2)
+
+
 def test_shard_config_splits_heads_and_intermediate_widths_only():
     cfg = ModelConfig.from_model("deepseek-v2-lite", TINY_OVERRIDES)
     shard = shard_config(cfg, 2)

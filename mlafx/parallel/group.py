@@ -27,7 +27,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from mlafx.config import ModelConfig
+from mlafx.config import ConfigError, ModelConfig
+from mlafx.config.memory import available_memory_bytes, kv_bytes_per_token, weight_bytes
 from mlafx.models.step import StepMetadata
 from mlafx.parallel.sharding import check_shardable
 from mlafx.parallel.wire import dumps, loads, step_to_wire, tensor_from_wire
@@ -274,6 +275,24 @@ class WorkerGroup:
             raise TensorParallelError("the tensor-parallel group is closed")
 
 
+def check_local_ranks_fit(
+    config: ModelConfig, dtype: str, kv_tokens: int, world_size: int, local_ranks: int | None
+) -> None:
+    """Raise ``ConfigError`` if this machine's ranks cannot fit while they start: each builds
+    the full model and keeps a 1/N shard, and each (and the driver) holds a full cache."""
+    local = world_size if local_ranks is None else local_ranks
+    weights = weight_bytes(config, dtype) * local * (1 + 1 / world_size)
+    need = weights + kv_bytes_per_token(config, dtype) * kv_tokens * (local + 1)
+    have = available_memory_bytes()
+    if need > 0.9 * have:
+        raise ConfigError(
+            f"{local} tensor-parallel rank(s) of {config.model_type} need about "
+            f"{need / 2**30:.1f} GiB while starting (each builds the full {dtype} model, then "
+            f"keeps its shard; every rank and the driver hold a KV cache of {kv_tokens} tokens), "
+            f"but only {have / 2**30:.1f} GiB is available"
+        )
+
+
 def start_workers(
     config: ModelConfig,
     *,
@@ -295,6 +314,7 @@ def start_workers(
     from mlafx.export.compiled_step import default_cache_dir
 
     check_shardable(config, world_size)
+    check_local_ranks_fit(config, dtype, num_blocks * block_size, world_size, local_ranks)
     base = default_cache_dir() if compile_cache_dir is None else Path(compile_cache_dir)
     spec = WorkerSpec(
         rank=0,
