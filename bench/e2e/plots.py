@@ -30,7 +30,10 @@ def _draw(ax, series, xlabel: str, title: str) -> None:  # type: ignore[no-untyp
     for backend, points in series.items():
         xs, ys = zip(*points, strict=True)
         ax.plot(xs, ys, marker="o", label=LABELS[backend])
+    from matplotlib.ticker import FuncFormatter
+
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("tokens/s")
@@ -49,6 +52,9 @@ def draw_plots(rows: list[Row], out_dir: Path, target: tuple[int, int], title: s
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     for ax, b in zip(axes[0], batches, strict=True):
         series = _series(rows, "decode", "batch", b, "length")
+        floors = [r["floor_ms"] for r in rows if "floor_ms" in r and r["batch"] == b]
+        if floors:  # the throughput a step reading only the weights would reach
+            ax.axhline(b / floors[0] * 1e3, color="gray", ls="--", label="weight-read bound")
         _draw(ax, series, "context (tokens)", f"decode, batch {b}")
     fig.suptitle(f"{title}: decode throughput vs context")
     fig.tight_layout()
