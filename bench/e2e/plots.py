@@ -7,6 +7,9 @@ from pathlib import Path
 
 from bench.e2e.report import LABELS, Row
 
+# one colour per engine in every panel
+COLORS = {"mlafx": "C0", "mlafx_reference": "C1", "hf_eager": "C2", "hf_compile": "C3"}
+
 
 def _pyplot():  # type: ignore[no-untyped-def]
     import matplotlib
@@ -29,7 +32,7 @@ def _series(rows: list[Row], phase: str, fixed: str, fixed_value: int, axis: str
 def _draw(ax, series, xlabel: str, title: str) -> None:  # type: ignore[no-untyped-def]
     for backend, points in series.items():
         xs, ys = zip(*points, strict=True)
-        ax.plot(xs, ys, marker="o", label=LABELS[backend])
+        ax.plot(xs, ys, marker="o", label=LABELS[backend], color=COLORS[backend])
     from matplotlib.ticker import FuncFormatter
 
     ax.set_xscale("log", base=2)
