@@ -117,12 +117,19 @@ def serving_figures(llm: LLM, plan: Plan) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tiny model and a tiny grid")
-    parser.add_argument("--model", choices=sorted(MODELS), default=None)
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default=None,
+        help="embedded (default), full-width-1layer (64 experts, 1 layer), tiny (--quick's)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="default: all cores")
     parser.add_argument(
         "--no-torch-compile", action="store_true", help="skip the torch.compile baseline"
     )
-    parser.add_argument("--json", type=Path, default=RESULTS / "e2e.json")
+    parser.add_argument(
+        "--json", type=Path, default=RESULTS / "e2e.json", help="where to write the results"
+    )
     parser.add_argument("--plots", type=Path, default=RESULTS, help="directory for the PNGs")
     return parser.parse_args(argv)
 
@@ -219,6 +226,18 @@ def print_summary(run: Run, cfg: ModelConfig, floors: dict[int, float]) -> list[
     return checks
 
 
+def warn_if_busy(load: float, threads: int) -> None:
+    """Other jobs on the cores this run's threads need make every figure slower (threads
+    wait for a core at each parallel region): say so up front, next to the figures."""
+    cores = os.cpu_count() or 1
+    if load > 0.5 and threads + load > cores:
+        print(
+            f"warning: the machine is busy (load average {load:.2f} on {cores} cores, "
+            f"{threads} threads wanted): figures will be inflated; rerun when it is quiet",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", module=r"torch\._(dynamo|inductor)")
@@ -229,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     progress(f"measuring the roofline (load average {load_before[0]:.2f})")
+    warn_if_busy(load_before[0], torch.get_num_threads())
     roof = roofline_mod.measure(quick=args.quick)
     print(
         f"roofline ({roof.threads} threads): read {roof.read_gbps:.1f} GB/s, bf16 matmul "
