@@ -16,6 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -37,6 +38,18 @@ def default_cache_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "mlafx" / "compiled"
 
 
+# Weights stay outside the shared library, handed over by load_constants. And every weight
+# stays a constant: by default inductor inlines 1-D tensors of <= 8 elements (a small
+# model's router correction bias, RoPE frequencies) into the code as literals, which would
+# bake one model's values into a package that the key shares with every model of the config.
+INDUCTOR_CONFIGS = MappingProxyType(
+    {
+        "aot_inductor.package_constants_in_so": False,
+        "always_keep_tensor_constants": True,
+    }
+)
+
+
 def package_key(model: MLAForCausalLM, block_size: int) -> str:
     import mlafx
     from mlafx.kernels import _build_info  # the kernels the package will call (gitignored)
@@ -51,6 +64,7 @@ def package_key(model: MLAForCausalLM, block_size: int) -> str:
         "kernels": _build_info.CSRC_SHA256,
         "layout": CACHE_LAYOUT_VERSION,
         "lowering": lowering_source_sha256(),  # model, capture and passes sources
+        "inductor": dict(INDUCTOR_CONFIGS),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -111,7 +125,7 @@ def build_aoti_package(program: torch.export.ExportedProgram, package: Path) -> 
     torch._inductor.aoti_compile_and_package(
         program,
         package_path=str(tmp),
-        inductor_configs={"aot_inductor.package_constants_in_so": False},
+        inductor_configs=dict(INDUCTOR_CONFIGS),  # a copy: inductor adds its own keys to it
     )
     tmp.replace(package)  # atomic: a crashed compile never leaves a half package
 

@@ -1,0 +1,33 @@
+"""The AOTInductor package is code only: two models of one config share a package, and
+each runs with its own weights — even tensors small enough for inductor to inline."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from mlafx.export.compiled_step import compile_step, package_path
+from mlafx.graph.capture import sample_step
+from mlafx.models.from_transformers import model_from_transformers
+from tests.test_parity_transformers import CONFIGS
+
+
+def test_models_sharing_a_package_keep_their_own_small_weights(tmp_path):
+    torch.manual_seed(7)
+    hf = transformers.DeepseekV3ForCausalLM(CONFIGS["v3_noaux_tc"]()).eval()
+    first = model_from_transformers(hf)
+    second = model_from_transformers(hf)
+    second.model.layers[1].mlp.gate.e_score_correction_bias = torch.linspace(-0.3, 0.3, 8)
+    second.model.layers[2].mlp.gate.e_score_correction_bias = torch.linspace(0.3, -0.3, 8)
+    assert first.model.layers[1].mlp.gate.e_score_correction_bias.numel() <= 8  # inlinable
+    compile_step(first, 4, cache_dir=tmp_path)
+    step = compile_step(second, 4, cache_dir=tmp_path)
+    assert step.lowering is None and step.package == package_path(first, 4, tmp_path)
+    sample, caches = sample_step(second, 4)
+    args = (sample.input_ids, sample.positions)
+    with torch.no_grad():
+        want = second(*args, [c.clone() for c in caches], sample.meta, sample.logits_indices)
+        wrong = first(*args, [c.clone() for c in caches], sample.meta, sample.logits_indices)
+    got = step(*args, [c.clone() for c in caches], sample.meta, sample.logits_indices)
+    assert (want - wrong).abs().max() > 1e-2  # the biases matter to the routing
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
