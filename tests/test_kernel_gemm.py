@@ -226,6 +226,22 @@ def test_linear_packed_is_linear_on_both_paths(M, dtype, bias):
     )
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    M=st.sampled_from([0, 1, 7, 8, 9, 16, 33]),  # both sides of the 8-row switch
+    K=st.sampled_from([1, 3, 64 + 13]),
+    N=st.sampled_from([1, 17, 40]),
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    layout=st.sampled_from(["contiguous", "strided"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_linear_packed_matches_reference(M, K, N, dtype, layout, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = _rows(M, K, dtype, gen, layout)
+    weight = torch.randn(N, K, generator=gen).to(dtype)
+    _assert_within_bound(linear_packed(x, weight, pack_linear_weight(weight)), x, weight)
+
+
 def test_linear_packed_rejects_mismatched_weight():
     weight = torch.randn(20, 24)
     with pytest.raises(ValueError, match="does not match weight"):

@@ -247,3 +247,13 @@ def test_cli_passes_tensor_parallel_size_and_refuses_what_it_cannot_combine(tmp_
     assert "does not divide num_attention_heads=4" in capsys.readouterr().err
     assert main(["run", "--artifact", str(tmp_path), "--tensor-parallel-size", "2"]) == 2
     assert "cannot be combined with --artifact" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (0, 7), (2, 4, 6)])
+def test_all_reduce_op_passes_opcheck_and_is_the_identity_alone(shape):
+    """Without a process group the 'group' is this process: the sum is x, as a new tensor."""
+    x = torch.randn(shape)
+    torch.library.opcheck(torch.ops.mlafx_tp.all_reduce_sum.default, (x,))
+    out = torch.ops.mlafx_tp.all_reduce_sum(x)
+    assert torch.equal(out, x) and out is not x
+    assert x.numel() == 0 or out.data_ptr() != x.data_ptr()  # a copy, never an alias
