@@ -7,32 +7,16 @@ import subprocess
 import sys
 
 import pytest
-import torch
-import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 import mlafx
 from mlafx.cli import demo_prompts, main
-from tests.tiny_models import TINY_OVERRIDES
-
-WORDS = ["<bos>", "<eos>"] + [f"w{i}" for i in range(254)]
+from tests.tiny_models import WORDS, write_tiny_checkpoint_with_tokenizer
 
 
 @pytest.fixture(scope="module")
 def checkpoint_with_tokenizer(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_with_tokenizer")
-    torch.manual_seed(0)
-    config = transformers.DeepseekV2Config(
-        **{k: v for k, v in TINY_OVERRIDES.items() if k != "first_k_dense_replace"},
-        q_lora_rank=None,
-        first_k_dense_replace=1,
-        max_position_embeddings=128,
-    )
-    transformers.DeepseekV2ForCausalLM(config).save_pretrained(directory)
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<bos>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    return directory
+    return write_tiny_checkpoint_with_tokenizer(directory)
 
 
 def test_text_prompts_are_tokenized_and_outputs_decoded(checkpoint_with_tokenizer):

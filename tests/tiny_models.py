@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlafx
 
 # The DeepSeek-V2-Lite preset shrunk to a few MB; eos 1 is inside the small vocabulary.
@@ -40,3 +42,28 @@ def tiny_llm(**kwargs) -> mlafx.LLM:
     )
     options.update(kwargs)
     return mlafx.LLM("deepseek-v2-lite", **options)
+
+
+# One word per token id of the tiny vocabulary: ids 0/1 are bos/eos, "w<i>" is id i + 2.
+WORDS = ["<bos>", "<eos>"] + [f"w{i}" for i in range(254)]
+
+
+def write_tiny_checkpoint_with_tokenizer(directory: Path) -> Path:
+    """A tiny transformers DeepSeek-V2 checkpoint (``save_pretrained``, seeded) plus a
+    word-level ``tokenizer.json`` over :data:`WORDS`, for text-prompt tests."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV2Config(
+        **{k: v for k, v in TINY_OVERRIDES.items() if k != "first_k_dense_replace"},
+        q_lora_rank=None,
+        first_k_dense_replace=1,
+        max_position_embeddings=128,
+    )
+    transformers.DeepseekV2ForCausalLM(config).save_pretrained(directory)
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<bos>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
