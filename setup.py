@@ -50,6 +50,11 @@ AVX512_FLAGS = [
 # bug 105593, fixed in 13), which would bury real warnings.
 AVX512_WARNING_FLAGS = ["-Wno-maybe-uninitialized"]
 AVX512_SUFFIX = "_avx512.cpp"
+# `*_amx_avx512.cpp` also get the AMX tile instructions (Sapphire Rapids and later); like the
+# AVX-512 sources they are only called after the run-time check (cpu_features.h), which also
+# asks Linux for permission to use the tile state.
+AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
+AMX_SUFFIX = "_amx_avx512.cpp"
 
 
 def _load_source_hash():
@@ -83,7 +88,9 @@ class BuildExtensionPerSourceISA(BuildExtension):
         compile_source = self.compiler._compile
 
         def compile_with_isa_flags(obj, src, ext, cc_args, extra_postargs, pp_opts):
-            if src.endswith(AVX512_SUFFIX):
+            if src.endswith(AMX_SUFFIX):
+                isa_flags = AVX512_FLAGS + AMX_FLAGS + AVX512_WARNING_FLAGS
+            elif src.endswith(AVX512_SUFFIX):
                 isa_flags = AVX512_FLAGS + AVX512_WARNING_FLAGS
             else:
                 isa_flags = PORTABLE_FLAGS

@@ -42,7 +42,9 @@ def _check_paged(inputs, dtype) -> None:
 @given(
     data=st.data(),
     block_size=st.sampled_from([1, 16, 64, 256]),
-    dims=st.sampled_from([(512, 64), (45, 19), (32, 0), (7, 4)]),
+    # (512, 64), (64, 32) and (32, 0) run on the AMX core where there is one (widths that are
+    # multiples of 32); the others on the AVX-512 core.
+    dims=st.sampled_from([(512, 64), (64, 32), (45, 19), (32, 0), (7, 4)]),
     num_heads=st.sampled_from([1, 5, 16, 20]),
     dtype=st.sampled_from(FLOAT_DTYPES),
     position_mode=st.sampled_from(["decode", "context", "random"]),
@@ -71,6 +73,20 @@ def test_fixed_paged_prefill_many_queries_and_heads(dtype):
     # 20 queries x 5 heads (several query groups per sequence) and 80 heads (head slices).
     _check_paged(make_paged([40, 130], [20, 13], 5, 24, 8, 16, dtype, seed=2), dtype)
     _check_paged(make_paged([70], [2], 80, 16, 8, 64, dtype, seed=3), dtype)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_fixed_paged_scores_growing_along_the_context(block_size):
+    # Each key scores higher than the one before, so the running max keeps moving: the AMX
+    # core's lazy max must rescale its output many times (and exactly), across splits.
+    inputs = make_paged([1000, 77], [1, 1], 16, 512, 64, block_size, torch.bfloat16, seed=7)
+    rows = inputs.kv_cache.view(-1, 576)
+    slots = torch.arange(rows.shape[0])
+    direction = inputs.q[0, 0].float() / inputs.q[0, 0].float().norm()
+    growth = (slots % 1000).float()[:, None] * 0.05  # position of the row within its sequence
+    real = ~torch.isnan(rows).any(dim=1)
+    rows[real] = (rows[real].float() * 0.1 + growth[real] * direction).to(torch.bfloat16)
+    _check_paged(inputs, torch.bfloat16)
 
 
 def test_fixed_paged_no_visible_key_gives_zero_and_neg_inf():
@@ -106,7 +122,7 @@ def test_fixed_paged_strided_q():
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=st.data(),
-    dims=st.sampled_from([(128, 64, 128), (16, 8, 32), (7, 3, 5), (24, 0, 16)]),
+    dims=st.sampled_from([(128, 64, 128), (64, 32, 64), (16, 8, 32), (7, 3, 5), (24, 0, 16)]),
     num_heads=st.sampled_from([1, 3, 16]),
     dtype=st.sampled_from(FLOAT_DTYPES),
     causal=st.booleans(),

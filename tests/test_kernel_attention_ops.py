@@ -205,10 +205,9 @@ def test_portable_path_is_active():
     assert cpu_isa() == expected
 
 
-@pytest.mark.skipif(_AVX512_DISABLED, reason="this run already uses the portable path")
-def test_portable_path_passes_subset():
+def _run_subset_in_child(env_overrides: dict[str, str]) -> None:
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "MLAFX_DISABLE_AVX512": "1"}
+    env = {**os.environ, **env_overrides}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *_PORTABLE_SUBSET],
         cwd=root,
@@ -219,6 +218,18 @@ def test_portable_path_passes_subset():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "passed" in result.stdout
+
+
+@pytest.mark.skipif(_AVX512_DISABLED, reason="this run already uses the portable path")
+def test_portable_path_passes_subset():
+    _run_subset_in_child({"MLAFX_DISABLE_AVX512": "1"})
+
+
+@pytest.mark.skipif(cpu_isa() != "avx512_amx", reason="this run does not use the AMX core")
+def test_avx512_path_without_tiles_passes_subset():
+    # On an AMX machine the bf16 attention ops run on tiles; the AVX-512 core is what CPUs
+    # without AMX run, so it gets the same subset.
+    _run_subset_in_child({"MLAFX_DISABLE_AMX": "1"})
 
 
 def test_vectorised_and_portable_agree_on_deepseek_decode(tmp_path):
@@ -233,14 +244,22 @@ def test_vectorised_and_portable_agree_on_deepseek_decode(tmp_path):
     )
     root = Path(__file__).resolve().parents[1]
     outs = {}
-    for disable in ("0", "1"):
-        path = tmp_path / f"{disable}.pt"
-        env = {**os.environ, "MLAFX_DISABLE_AVX512": disable}
+    paths = {
+        "default": {},
+        "no-amx": {"MLAFX_DISABLE_AMX": "1"},
+        "portable": {"MLAFX_DISABLE_AVX512": "1"},
+    }
+    for name, overrides in paths.items():
+        path = tmp_path / f"{name}.pt"
+        env = {**os.environ, "MLAFX_DISABLE_AVX512": "0", "MLAFX_DISABLE_AMX": "0", **overrides}
         subprocess.run(
             [sys.executable, "-c", script, str(path)], cwd=root, env=env, check=True, timeout=120
         )
-        outs[disable] = torch.load(path)
-    assert outs["1"][0] == "portable"
-    (out_v, lse_v), (out_p, lse_p) = outs["0"][1], outs["1"][1]
-    torch.testing.assert_close(lse_v, lse_p, atol=1e-3, rtol=0)
-    torch.testing.assert_close(out_v.float(), out_p.float(), atol=1.5e-2, rtol=1.5e-2)
+        outs[name] = torch.load(path)
+    assert outs["portable"][0] == "portable"
+    assert outs["no-amx"][0] in ("avx512_bf16", "portable")
+    out_p, lse_p = outs["portable"][1]
+    for name in ("default", "no-amx"):
+        out_v, lse_v = outs[name][1]
+        torch.testing.assert_close(lse_v, lse_p, atol=1e-3, rtol=0)
+        torch.testing.assert_close(out_v.float(), out_p.float(), atol=1.5e-2, rtol=1.5e-2)

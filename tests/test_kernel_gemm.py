@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlafx.kernels import linear_decode, linear_packed, pack_linear_weight
+from mlafx.kernels import cpu_isa, linear_decode, linear_packed, pack_linear_weight
 from mlafx.kernels.gemm_reference import (
     linear_decode_ref,
     pack_linear_weight_ref,
@@ -63,7 +63,8 @@ def test_pack_matches_reference_bytes(N, K, dtype):
 @settings(max_examples=80, deadline=None)
 @given(
     M=st.sampled_from([0, 1, 2, 5, 8, 9, 17, 32, 33]),
-    K=st.sampled_from([1, 2, 3, 31, 64 + 13, 256]),
+    # Even K runs on the tile kernel where there is one: 34 and 64 + 14 end in a partial tile.
+    K=st.sampled_from([1, 2, 3, 31, 34, 64 + 13, 64 + 14, 256]),
     N=st.sampled_from([1, 15, 16, 17, 100]),
     dtype=st.sampled_from(FLOAT_DTYPES),
     layout=st.sampled_from(["contiguous", "strided"]),
@@ -176,14 +177,14 @@ def test_pack_rejects_bad_weights():
         pack_linear_weight(torch.randn(2, 3).double())
 
 
-_PORTABLE_PROBE = """
+_PATH_PROBE = """
 import torch
 from mlafx.kernels import cpu_isa, linear_decode, pack_linear_weight
 
-assert cpu_isa() == "portable", cpu_isa()
+assert cpu_isa() == "{isa}", cpu_isa()
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
-    for M, K, N in ((1, 77, 33), (9, 64 + 13, 100), (33, 31, 17)):
+    for M, K, N in ((1, 77, 33), (9, 64 + 14, 100), (33, 31, 17)):
         x = torch.randn(M, K, generator=gen).to(dtype)
         w = torch.randn(N, K, generator=gen).to(dtype)
         torch.save((x, w, linear_decode(x, pack_linear_weight(w), N)), f"{{}}/{dtype}-{M}.pt")
@@ -191,9 +192,18 @@ print("ok")
 """
 
 
-def test_portable_path_matches_reference(tmp_path):
-    env = {**os.environ, "MLAFX_DISABLE_AVX512": "1"}
-    probe = _PORTABLE_PROBE.replace("{{}}", str(tmp_path))
+@pytest.mark.parametrize(
+    ("isa", "env_overrides"),
+    [
+        ("portable", {"MLAFX_DISABLE_AVX512": "1"}),
+        ("avx512_bf16", {"MLAFX_DISABLE_AMX": "1"}),  # the FMA kernel of CPUs without AMX
+    ],
+)
+def test_other_paths_match_reference(tmp_path, isa, env_overrides):
+    if isa != "portable" and cpu_isa() != "avx512_amx":
+        pytest.skip("this run already uses that path (or the CPU lacks it)")
+    env = {**os.environ, **env_overrides}
+    probe = _PATH_PROBE.replace("{{}}", str(tmp_path)).replace("{isa}", isa)
     result = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
     )
@@ -206,19 +216,21 @@ def test_portable_path_matches_reference(tmp_path):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("M", [0, 1, 8, 9, 40])  # both sides of the streaming/ATen switch
+# Both sides of the streaming/ATen switch: 8 rows (32 with the tile kernel, even K only).
+@pytest.mark.parametrize("M", [0, 1, 8, 9, 32, 33])
+@pytest.mark.parametrize("K", [77, 78])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_linear_packed_is_linear_on_both_paths(M, dtype, bias):
+def test_linear_packed_is_linear_on_both_paths(M, K, dtype, bias):
     gen = torch.Generator().manual_seed(M)
-    x = torch.randn(M, 77, generator=gen).to(dtype)
-    weight = torch.randn(33, 77, generator=gen).to(dtype)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    weight = torch.randn(33, K, generator=gen).to(dtype)
     b = torch.randn(33, generator=gen).to(dtype) if bias else None
     out = linear_packed(x, weight, pack_linear_weight(weight), b)
     want = torch.nn.functional.linear(
         x.double(), weight.double(), None if b is None else b.double()
     )
     u = UNIT_ROUNDOFF[dtype]
-    tol = 4 * u * (x.double().abs() @ weight.double().abs().t() + 1) + 77 * 2.0**-20
+    tol = 4 * u * (x.double().abs() @ weight.double().abs().t() + 1) + K * 2.0**-20
     assert out.dtype == dtype and out.shape == (M, 33)
     assert ((out.double() - want).abs() <= tol).all()
     torch.library.opcheck(
@@ -228,8 +240,8 @@ def test_linear_packed_is_linear_on_both_paths(M, dtype, bias):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    M=st.sampled_from([0, 1, 7, 8, 9, 16, 33]),  # both sides of the 8-row switch
-    K=st.sampled_from([1, 3, 64 + 13]),
+    M=st.sampled_from([0, 1, 7, 8, 9, 16, 32, 33]),  # both sides of the 8- and 32-row switches
+    K=st.sampled_from([1, 3, 64 + 13, 64 + 14]),
     N=st.sampled_from([1, 17, 40]),
     dtype=st.sampled_from(FLOAT_DTYPES),
     layout=st.sampled_from(["contiguous", "strided"]),

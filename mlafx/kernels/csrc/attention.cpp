@@ -213,9 +213,12 @@ struct PortableCore {
   }
 };
 
-const CoreOps& select_core(at::ScalarType dtype) {
+const CoreOps& select_core(at::ScalarType dtype, const CoreDims& dims) {
   switch (dtype) {
     case at::kBFloat16:
+      if (mlafx::use_amx_bf16() && mlafx::avx512::attention_core_amx_supports(dims)) {
+        return mlafx::avx512::attention_core_bf16_amx();
+      }
       return mlafx::use_avx512_bf16() ? mlafx::avx512::attention_core_bf16()
                                       : PortableCore<c10::BFloat16>::ops();
     case at::kHalf:
@@ -599,7 +602,8 @@ std::tuple<at::Tensor, at::Tensor> mla_attention_paged(
     }
   }
   const CoreDims dims{W, 0, kv_lora_rank, static_cast<float>(scale)};
-  run_attention(p, select_core(q.scalar_type()), dims, q.scalar_type(), /*allow_splits=*/true);
+  run_attention(p, select_core(q.scalar_type(), dims), dims, q.scalar_type(),
+                /*allow_splits=*/true);
   return {out, lse};
 }
 
@@ -741,7 +745,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention(
     }
   }
   const CoreDims dims{P, R, V, static_cast<float>(scale)};
-  run_attention(p, select_core(q.scalar_type()), dims, q.scalar_type(), /*allow_splits=*/true);
+  run_attention(p, select_core(q.scalar_type(), dims), dims, q.scalar_type(),
+                /*allow_splits=*/true);
   return {out, lse};
 }
 

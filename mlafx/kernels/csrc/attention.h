@@ -61,6 +61,10 @@ namespace mlafx::avx512 {
 
 // The AVX-512 BF16 core (bf16 q, keys and values); call only when mlafx::use_avx512_bf16().
 const mlafx::attn::CoreOps& attention_core_bf16();
+// The AMX tile core for bf16 (attention_amx_avx512.cpp); call only when mlafx::use_amx_bf16()
+// and attention_core_amx_supports(dims) (segment and value widths multiples of 32).
+const mlafx::attn::CoreOps& attention_core_bf16_amx();
+bool attention_core_amx_supports(const mlafx::attn::CoreDims& dims);
 // fp32 FMA cores for fp32 and fp16 inputs (attention_f32_avx512.cpp); same condition.
 const mlafx::attn::CoreOps& attention_core_f32();
 const mlafx::attn::CoreOps& attention_core_f16();

@@ -4,6 +4,14 @@
 #include <cstdlib>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace mlafx {
 
 bool cpu_supports_avx512_bf16() {
@@ -18,9 +26,42 @@ bool cpu_supports_avx512_bf16() {
 #endif
 }
 
-bool avx512_disabled_by_env() {
-  const char* value = std::getenv("MLAFX_DISABLE_AVX512");
+namespace {
+
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
   return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+}
+
+}  // namespace
+
+bool avx512_disabled_by_env() { return env_flag("MLAFX_DISABLE_AVX512"); }
+
+bool amx_disabled_by_env() { return env_flag("MLAFX_DISABLE_AMX"); }
+
+bool cpu_supports_amx_bf16() {
+#if defined(__linux__) && defined(__x86_64__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) {
+    return false;
+  }
+  const bool amx_bf16 = (edx >> 22) & 1u;
+  const bool amx_tile = (edx >> 24) & 1u;
+  if (!amx_bf16 || !amx_tile) {
+    return false;
+  }
+  // Linux keeps the 8 KB tile data state off until a process asks for it (kernel 5.16+).
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+bool use_amx_bf16() {
+  static const bool use = use_avx512_bf16() && !amx_disabled_by_env() && cpu_supports_amx_bf16();
+  return use;
 }
 
 bool use_avx512_bf16() {
@@ -29,6 +70,11 @@ bool use_avx512_bf16() {
   return use;
 }
 
-const char* active_cpu_isa() { return use_avx512_bf16() ? "avx512_bf16" : "portable"; }
+const char* active_cpu_isa() {
+  if (use_amx_bf16()) {
+    return "avx512_amx";
+  }
+  return use_avx512_bf16() ? "avx512_bf16" : "portable";
+}
 
 }  // namespace mlafx

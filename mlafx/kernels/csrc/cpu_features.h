@@ -19,7 +19,18 @@ bool avx512_disabled_by_env();
 // process (on first call), so the environment variable must be set before the first op runs.
 bool use_avx512_bf16();
 
-// "avx512_bf16" or "portable": which path the kernels take in this process.
+// True iff the CPU has AMX-TILE + AMX-BF16 and Linux granted this process the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile instruction raises SIGILL).
+bool cpu_supports_amx_bf16();
+
+// True iff MLAFX_DISABLE_AMX is set (non-empty, not "0"): the AVX-512 kernels without tiles.
+bool amx_disabled_by_env();
+
+// use_avx512_bf16() and AMX support and not disabled; computed once per process. The tile
+// kernels (`*_amx_avx512.cpp`) may only be called when this is true.
+bool use_amx_bf16();
+
+// "avx512_amx", "avx512_bf16" or "portable": which path the kernels take in this process.
 const char* active_cpu_isa();
 
 }  // namespace mlafx

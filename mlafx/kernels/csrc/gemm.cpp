@@ -138,7 +138,11 @@ void packed_dot(FloatKind kind, const void* x, int64_t ldx, int64_t M, const voi
                 int64_t block_begin, int64_t block_end, float* out, int64_t ldo) {
   switch (kind) {
     case FloatKind::kBFloat16:
-      if (use_avx512_bf16()) {
+      if (use_amx_bf16() && avx512::packed_dot_amx_supports(K)) {
+        avx512::packed_dot_bf16_amx(static_cast<const uint16_t*>(x), ldx, M,
+                                    static_cast<const uint16_t*>(wp), K, block_begin, block_end,
+                                    out, ldo);
+      } else if (use_avx512_bf16()) {
         avx512::packed_dot_bf16(static_cast<const uint16_t*>(x), ldx, M,
                                 static_cast<const uint16_t*>(wp), K, block_begin, block_end, out,
                                 ldo);
@@ -283,11 +287,18 @@ at::Tensor linear_decode(const at::Tensor& x,       // [M, K]
   return out;
 }
 
-// The most rows of x for which streaming the packed weight beats ATen's GEMM (oneDNN): measured
+// The most rows of x for which streaming the packed weight beats ATen's GEMM (oneDNN), measured
 // on this project's CI machine (Xeon, AMX, 2 threads; bench/kernel_cases/moe_gemm.py and a
-// sweep over M for the embedded default's projections): the streaming kernel wins by 1.2-7x
-// at M <= 8 and loses from M = 16 on, where oneDNN's AMX tiles make the product compute-bound.
-constexpr int64_t kStreamMaxRows = 8;
+// sweep over M for the embedded default's projections). The fp32-FMA streaming kernel wins by
+// 1.2-7x at M <= 8 and loses from M = 16 on, where oneDNN's AMX tiles make the product
+// compute-bound; the tile streaming kernel (gemm_amx_avx512.cpp) stays at memory bandwidth
+// through M = 32, the decode-sized range.
+int64_t stream_max_rows(const at::Tensor& x) {
+  if (x.scalar_type() == at::kBFloat16 && use_amx_bf16()) {
+    return 32;
+  }
+  return 8;
+}
 
 at::Tensor linear_packed(const at::Tensor& x,       // [M, K]
                          const at::Tensor& weight,  // [N, K], the checkpoint's
@@ -300,7 +311,7 @@ at::Tensor linear_packed(const at::Tensor& x,       // [M, K]
                    weight.scalar_type(), " must equal x's dtype ", x.scalar_type());
   TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == weight.size(1), "linear_packed: x ", x.sizes(),
                     " does not match weight ", weight.sizes());
-  if (x.size(0) > kStreamMaxRows) {
+  if (x.size(0) > stream_max_rows(x)) {
     return at::linear(x, weight, bias);
   }
   at::Tensor out = linear_decode(x, packed, weight.size(0));

@@ -54,5 +54,10 @@ void rows_dot_bf16(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w,
                    int64_t K, int64_t n_begin, int64_t n_end, float* out, int64_t ldo);
 void packed_dot_bf16(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int64_t K,
                      int64_t block_begin, int64_t block_end, float* out, int64_t ldo);
+// The same on the AMX tile unit (gemm_amx_avx512.cpp): call only when mlafx::use_amx_bf16()
+// and packed_dot_amx_supports(K) (K even).
+bool packed_dot_amx_supports(int64_t K);
+void packed_dot_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int64_t K,
+                         int64_t block_begin, int64_t block_end, float* out, int64_t ldo);
 
 }  // namespace mlafx::avx512

@@ -1,0 +1,516 @@
+// AMX BF16 attention core (compiled with the AVX-512 and AMX flags from setup.py). Called only
+// when mlafx::use_amx_bf16() and attention_core_amx_supports(dims); otherwise the AVX-512 core
+// (attention_avx512.cpp) or the scalar reference (PortableCore in attention.cpp) runs.
+//
+// Both products run on the tile unit; every tile is 16 rows x 64 bytes (16 x 32 bf16 inputs or
+// 16 x 16 fp32 accumulators), so one tile configuration serves the whole core.
+//   - q.k: S^T[key, row] += K[key, 32 features] . Qp[16 feature pairs, row]. The A tile is 16
+//     cached rows loaded straight from the cache (one row per key, the row stride as the tile
+//     stride): keys are never copied or packed. Q is packed once per group into pairs
+//     ([pair][row], the tile unit's "VNNI" B layout).
+//   - softmax: vertical over keys with the rows in fp32 lanes, as in the AVX-512 core, with a
+//     lazy running max (the max used for exp moves only when a score exceeds it by more than
+//     2^8, so the output is rescaled a few times per group instead of once per block; the
+//     result is the same up to rounding, since sum and output share whichever max was used).
+//   - P.V: O[row, 2n] += P[row, key] . V[key, 2n] and O[row, 2n+1] likewise, with V read
+//     straight from the cache as the B tile (16 keys x 32 features, pairs of adjacent
+//     features). The B layout pairs adjacent *features*, not keys, so P enters as two A tiles:
+//     P in the low half of each 32-bit pair and zero in the high half (even features), and
+//     the reverse (odd features). That wastes half the tile unit's multiplies but needs no
+//     repacking of V: the kernel is memory-bound by a wide margin, so reading the cache once
+//     and never writing a copy of it is what counts. The output accumulator holds each 32
+//     features as [16 even | 16 odd] and is put back in order once, at the end.
+// Partial key sub-tiles (fewer than 16 keys, or keys whose rows are not evenly spaced, e.g. a
+// block size below 16) are copied into a zero-padded staging tile first.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "attention.h"
+#include "attention_avx512_math.h"
+
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
+#error "attention_amx_avx512.cpp must be compiled with the AVX-512 and AMX flags from setup.py"
+#endif
+
+namespace mlafx::avx512 {
+namespace {
+
+using mlafx::attn::CoreDims;
+using mlafx::attn::CoreOps;
+using mlafx::attn::kBlockKeys;
+using mlafx::attn::kMaxRows;
+
+constexpr int64_t kTileRows = 16;                       // keys (or rows) per tile
+constexpr int64_t kSubTiles = kBlockKeys / kTileRows;   // key sub-tiles per block
+constexpr int64_t kRowTiles = kMaxRows / kTileRows;     // query-row tiles per group
+constexpr int64_t kTileBytes = 1024;
+// The lazy max: exp2(score - max) may reach 2^kMaxGrowth before the max is moved.
+constexpr float kMaxGrowth = 8.f;
+
+static_assert(kBlockKeys % kTileRows == 0 && kMaxRows % kTileRows == 0);
+
+// The tile unit's configuration block (palette 1): 8 tiles of 16 rows x 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+void configure_tiles() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Tile loads are asm statements that do not tell the compiler they read memory: order them
+// after the plain stores that filled their source.
+inline void compiler_barrier() { asm volatile("" ::: "memory"); }
+
+struct Layout {
+  int64_t pa, pb;  // feature pairs in segments a and b
+  int64_t ca, cb;  // 32-feature chunks in segments a and b
+  int64_t dv, wk;  // value width; key width wa + wb
+  size_t hdr, qp, lim, s, pe, po, o, m, l, alpha, stage_k, stage_v, total;
+  explicit Layout(const CoreDims& d)
+      : pa(d.wa / 2), pb(d.wb / 2), ca(d.wa / 32), cb(d.wb / 32), dv(d.dv), wk(d.wa + d.wb) {
+    size_t at = 0;
+    auto take = [&](size_t bytes) {
+      const size_t here = at;
+      at += align64(bytes);
+      return here;
+    };
+    hdr = take(64);
+    qp = take(4 * static_cast<size_t>(pa + pb) * kMaxRows);
+    lim = take(4 * kMaxRows);
+    s = take(4 * kBlockKeys * kMaxRows);
+    pe = take(kTileBytes * kRowTiles * kSubTiles);
+    po = take(kTileBytes * kRowTiles * kSubTiles);
+    o = take(4 * kMaxRows * static_cast<size_t>(dv));
+    m = take(4 * kMaxRows);
+    l = take(4 * kMaxRows);
+    alpha = take(4 * kMaxRows);
+    stage_k = take(2 * kBlockKeys * static_cast<size_t>(wk));
+    stage_v = take(2 * kBlockKeys * static_cast<size_t>(dv));
+    total = at;
+  }
+};
+
+struct Header {
+  int64_t rows;  // G
+  int64_t gp;    // G rounded up to 16
+  int64_t rt;    // row tiles, gp / 16
+};
+
+template <typename T>
+inline T* at_offset(void* ws, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
+}
+
+inline uint32_t load_pair(const uint16_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+// Where the tile loads of one key sub-tile read: segment a, segment b and the value rows,
+// each as a base address and a row stride in bytes.
+struct TileSource {
+  const char* a;
+  int64_t sa;
+  const char* b;
+  int64_t sb;
+  const char* v;
+  int64_t sv;
+};
+
+// True iff the 16 rows are evenly spaced at a positive stride (*stride, bytes).
+inline bool evenly_spaced(const void* const* rows, int64_t* stride) {
+  const char* first = static_cast<const char*>(rows[0]);
+  const int64_t step = static_cast<const char*>(rows[1]) - first;
+  if (step <= 0) {
+    return false;
+  }
+  for (int64_t r = 2; r < kTileRows; ++r) {
+    if (static_cast<const char*>(rows[r]) - first != r * step) {
+      return false;
+    }
+  }
+  *stride = step;
+  return true;
+}
+
+TileSource tile_source(void* ws, const Layout& L, int64_t sub, int64_t count,
+                       const void* const* ka, const void* const* kb, const void* const* v) {
+  TileSource src{};
+  if (count == kTileRows && evenly_spaced(ka, &src.sa) &&
+      (L.pb == 0 || evenly_spaced(kb, &src.sb)) && evenly_spaced(v, &src.sv)) {
+    src.a = static_cast<const char*>(ka[0]);
+    src.b = L.pb == 0 ? nullptr : static_cast<const char*>(kb[0]);
+    src.v = static_cast<const char*>(v[0]);
+    return src;
+  }
+  // Staging: the rows this sub-tile has, then zeros (zero keys and values contribute nothing;
+  // their scores are masked anyway).
+  char* k_rows = at_offset<char>(ws, L.stage_k) + sub * kTileRows * 2 * L.wk;
+  char* v_rows = at_offset<char>(ws, L.stage_v) + sub * kTileRows * 2 * L.dv;
+  const size_t a_bytes = 2 * static_cast<size_t>(L.pa) * 2;
+  const size_t b_bytes = 2 * static_cast<size_t>(L.pb) * 2;
+  const size_t v_bytes = 2 * static_cast<size_t>(L.dv);
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    char* k_row = k_rows + r * 2 * L.wk;
+    char* v_row = v_rows + r * 2 * L.dv;
+    if (r < count) {
+      std::memcpy(k_row, ka[r], a_bytes);
+      if (b_bytes > 0) {
+        std::memcpy(k_row + a_bytes, kb[r], b_bytes);
+      }
+      std::memcpy(v_row, v[r], v_bytes);
+    } else {
+      std::memset(k_row, 0, a_bytes + b_bytes);
+      std::memset(v_row, 0, v_bytes);
+    }
+  }
+  src.a = k_rows;
+  src.sa = 2 * L.wk;
+  src.b = k_rows + a_bytes;
+  src.sb = 2 * L.wk;
+  src.v = v_rows;
+  src.sv = 2 * L.dv;
+  compiler_barrier();
+  return src;
+}
+
+// ---- q.k on tiles: S^T for NSUB key sub-tiles, every row tile --------------------------------
+//
+// Tiles: 0..3 accumulators (one per key sub-tile), 4 the packed Q chunk, 5..7 key chunks.
+
+#define MLAFX_QK_SUB(C, A, SRC, OFF, STRIDE) \
+  do {                                       \
+    _tile_loadd(A, (SRC) + (OFF), STRIDE);   \
+    _tile_dpbf16ps(C, A, 4);                 \
+  } while (0)
+
+template <int NSUB>
+void qk_tiles(const Layout& L, const Header& h, const uint32_t* qp, float* s,
+              const TileSource* src) {
+  const int64_t gp = h.gp;
+  const int64_t qstride = 4 * gp;
+  for (int64_t r = 0; r < h.rt; ++r) {
+    _tile_zero(0);
+    if constexpr (NSUB > 1) _tile_zero(1);
+    if constexpr (NSUB > 2) _tile_zero(2);
+    if constexpr (NSUB > 3) _tile_zero(3);
+    for (int64_t c = 0; c < L.ca; ++c) {
+      _tile_loadd(4, qp + (16 * c) * gp + 16 * r, qstride);
+      const int64_t off = 64 * c;
+      MLAFX_QK_SUB(0, 5, src[0].a, off, src[0].sa);
+      if constexpr (NSUB > 1) MLAFX_QK_SUB(1, 6, src[1].a, off, src[1].sa);
+      if constexpr (NSUB > 2) MLAFX_QK_SUB(2, 7, src[2].a, off, src[2].sa);
+      if constexpr (NSUB > 3) MLAFX_QK_SUB(3, 5, src[3].a, off, src[3].sa);
+    }
+    for (int64_t c = 0; c < L.cb; ++c) {
+      _tile_loadd(4, qp + (L.pa + 16 * c) * gp + 16 * r, qstride);
+      const int64_t off = 64 * c;
+      MLAFX_QK_SUB(0, 5, src[0].b, off, src[0].sb);
+      if constexpr (NSUB > 1) MLAFX_QK_SUB(1, 6, src[1].b, off, src[1].sb);
+      if constexpr (NSUB > 2) MLAFX_QK_SUB(2, 7, src[2].b, off, src[2].sb);
+      if constexpr (NSUB > 3) MLAFX_QK_SUB(3, 5, src[3].b, off, src[3].sb);
+    }
+    float* sr = s + 16 * r;
+    _tile_stored(0, sr, qstride);
+    if constexpr (NSUB > 1) _tile_stored(1, sr + 16 * gp, qstride);
+    if constexpr (NSUB > 2) _tile_stored(2, sr + 32 * gp, qstride);
+    if constexpr (NSUB > 3) _tile_stored(3, sr + 48 * gp, qstride);
+  }
+}
+
+#undef MLAFX_QK_SUB
+
+// ---- softmax: vertical over keys; P written as the two zero-interleaved A tiles ---------------
+
+// In-register transpose of a 16 x 16 matrix of 32-bit elements.
+inline void transpose16x16(__m512i x[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    x[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    x[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    x[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    x[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // Each 128-bit lane now holds a 4 x 4 block in place; two rounds of 128-bit lane shuffles
+  // move the blocks.
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_i32x4(x[8 * i + j], x[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(x[8 * i + j], x[8 * i + 4 + j], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    x[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    x[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// Scores of keys 0..n-1 (raw q.k in s) -> scaled, masked, exponentiated against the running
+// max; returns true if some row's max moved (alpha != 1 somewhere).
+bool softmax_block(void* ws, const Layout& L, const Header& h, int64_t j0, int64_t n,
+                   float scale_log2) {
+  const int64_t gp = h.gp;
+  float* s = at_offset<float>(ws, L.s);
+  const int32_t* lim = at_offset<int32_t>(ws, L.lim);
+  float* m = at_offset<float>(ws, L.m);
+  float* l = at_offset<float>(ws, L.l);
+  float* alpha = at_offset<float>(ws, L.alpha);
+  uint32_t* pe = at_offset<uint32_t>(ws, L.pe);
+  uint32_t* po = at_offset<uint32_t>(ws, L.po);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 scale = _mm512_set1_ps(scale_log2);
+  const int64_t nsub = (n + kTileRows - 1) / kTileRows;
+  bool moved = false;
+  for (int64_t r = 0; r < h.rt; ++r) {
+    const int64_t v = 16 * r;
+    const __m512i limit = _mm512_loadu_si512(lim + v);
+    // Scale and mask in place; block max per row.
+    __m512 mx = neg_inf;
+    for (int64_t k = 0; k < n; ++k) {
+      const __mmask16 visible =
+          _mm512_cmpgt_epi32_mask(limit, _mm512_set1_epi32(static_cast<int>(j0 + k)));
+      const __m512 x = _mm512_mask_mul_ps(neg_inf, visible, _mm512_loadu_ps(s + k * gp + v), scale);
+      _mm512_storeu_ps(s + k * gp + v, x);
+      mx = _mm512_max_ps(x, mx);  // a NaN score propagates via p
+    }
+    const __m512 m_old = _mm512_loadu_ps(m + v);
+    const __mmask16 grow =
+        _mm512_cmp_ps_mask(mx, _mm512_add_ps(m_old, _mm512_set1_ps(kMaxGrowth)), _CMP_GT_OQ);
+    const __m512 m_new = _mm512_mask_blend_ps(grow, m_old, mx);
+    // Rows with no visible key yet keep max -inf: subtract 0 so p = 2^-inf = 0, not NaN.
+    const __m512 shift = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ),
+                                              m_new, _mm512_setzero_ps());
+    const __m512 a = _mm512_mask_blend_ps(grow, _mm512_set1_ps(1.f),
+                                          exp2_ps(_mm512_sub_ps(m_old, shift)));
+    moved = moved || grow != 0;
+    __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l + v), a);
+    for (int64_t sub = 0; sub < nsub; ++sub) {
+      __m512i cols[16];
+      for (int64_t k = 0; k < kTileRows; ++k) {
+        const int64_t key = sub * kTileRows + k;
+        __m512 p = _mm512_setzero_ps();
+        if (key < n) {
+          p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + key * gp + v), shift));
+          sum = _mm512_add_ps(sum, p);
+        }
+        // bf16 bits of P[row, key] in the low half of each row's 32-bit lane.
+        cols[k] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
+      }
+      transpose16x16(cols);  // cols[g] = row g: its 16 keys
+      uint32_t* e = pe + (r * kSubTiles + sub) * (kTileBytes / 4);
+      uint32_t* o = po + (r * kSubTiles + sub) * (kTileBytes / 4);
+      for (int g = 0; g < 16; ++g) {
+        _mm512_storeu_si512(e + 16 * g, cols[g]);
+        _mm512_storeu_si512(o + 16 * g, _mm512_slli_epi32(cols[g], 16));
+      }
+    }
+    _mm512_storeu_ps(l + v, sum);
+    _mm512_storeu_ps(m + v, m_new);
+    _mm512_storeu_ps(alpha + v, a);
+  }
+  return moved;
+}
+
+// O[row, :] *= alpha[row] for rows whose max moved.
+void rescale_output(void* ws, const Layout& L, const Header& h) {
+  const float* alpha = at_offset<float>(ws, L.alpha);
+  float* o = at_offset<float>(ws, L.o);
+  for (int64_t g = 0; g < h.gp; ++g) {
+    if (alpha[g] == 1.f) {
+      continue;
+    }
+    const __m512 a = _mm512_set1_ps(alpha[g]);
+    float* row = o + g * L.dv;
+    for (int64_t d = 0; d < L.dv; d += 16) {
+      _mm512_storeu_ps(row + d, _mm512_mul_ps(_mm512_loadu_ps(row + d), a));
+    }
+  }
+}
+
+// ---- P.V on tiles ------------------------------------------------------------------------------
+//
+// Tiles: 0/1 the even/odd accumulators of one 32-feature chunk, 2/3 and 5/6 the even/odd P
+// tiles of two key sub-tiles, 4 and 7 their V chunks.
+
+#define MLAFX_PV_SUB(PE, PO, VT, SUB)                                    \
+  do {                                                                  \
+    _tile_loadd(PE, pe + ((SUB)) * (kTileBytes / 4), 64);               \
+    _tile_loadd(PO, po + ((SUB)) * (kTileBytes / 4), 64);               \
+    _tile_loadd(VT, src[SUB].v + 64 * c, src[SUB].sv);                  \
+    _tile_dpbf16ps(0, PE, VT);                                          \
+    _tile_dpbf16ps(1, PO, VT);                                          \
+  } while (0)
+
+template <int NSUB>
+void pv_tiles(void* ws, const Layout& L, const Header& h, const TileSource* src) {
+  float* o_all = at_offset<float>(ws, L.o);
+  const int64_t ostride = 4 * L.dv;
+  compiler_barrier();
+  for (int64_t r = 0; r < h.rt; ++r) {
+    const uint32_t* pe = at_offset<uint32_t>(ws, L.pe) + r * kSubTiles * (kTileBytes / 4);
+    const uint32_t* po = at_offset<uint32_t>(ws, L.po) + r * kSubTiles * (kTileBytes / 4);
+    float* o = o_all + 16 * r * L.dv;
+    for (int64_t c = 0; c < L.dv / 32; ++c) {
+      _tile_loadd(0, o + 32 * c, ostride);
+      _tile_loadd(1, o + 32 * c + 16, ostride);
+      MLAFX_PV_SUB(2, 3, 4, 0);
+      if constexpr (NSUB > 1) MLAFX_PV_SUB(5, 6, 7, 1);
+      if constexpr (NSUB > 2) MLAFX_PV_SUB(2, 3, 4, 2);
+      if constexpr (NSUB > 3) MLAFX_PV_SUB(5, 6, 7, 3);
+      _tile_stored(0, o + 32 * c, ostride);
+      _tile_stored(1, o + 32 * c + 16, ostride);
+    }
+  }
+}
+
+#undef MLAFX_PV_SUB
+
+// ---- the CoreOps entry points ---------------------------------------------------------------
+
+size_t workspace_bytes(const CoreDims& d) { return Layout(d).total; }
+
+void begin(void* ws, const CoreDims& d, int64_t num_rows, const void* const* q_rows,
+           const int64_t* limits) {
+  // Per thread and per group: anything else on this thread (oneDNN) may have reconfigured.
+  configure_tiles();
+  const Layout L(d);
+  Header* h = at_offset<Header>(ws, L.hdr);
+  h->rows = num_rows;
+  h->gp = round_up16(num_rows);
+  h->rt = h->gp / 16;
+  const int64_t gp = h->gp;
+  uint32_t* qp = at_offset<uint32_t>(ws, L.qp);
+  int32_t* lim = at_offset<int32_t>(ws, L.lim);
+  // Pack Q as [pair][row]: a 32-bit transpose, once per group.
+  for (int64_t g = 0; g < gp; ++g) {
+    if (g >= num_rows) {
+      for (int64_t kp = 0; kp < L.pa + L.pb; ++kp) {
+        qp[kp * gp + g] = 0;
+      }
+      lim[g] = 0;
+      continue;
+    }
+    const uint16_t* row = static_cast<const uint16_t*>(q_rows[g]);
+    for (int64_t kp = 0; kp < L.pa + L.pb; ++kp) {
+      qp[kp * gp + g] = load_pair(row + 2 * kp);
+    }
+    // Limits beyond int32 are clamped: no key list is that long.
+    lim[g] = static_cast<int32_t>(limits[g] < INT32_MAX ? limits[g] : INT32_MAX);
+  }
+  std::memset(at_offset<float>(ws, L.o), 0, sizeof(float) * gp * L.dv);
+  float* m = at_offset<float>(ws, L.m);
+  float* l = at_offset<float>(ws, L.l);
+  for (int64_t g = 0; g < gp; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+  }
+  compiler_barrier();
+}
+
+void block(void* ws, const CoreDims& d, int64_t j0, int64_t n, const void* const* ka,
+           const void* const* kb, const void* const* v) {
+  const Layout L(d);
+  const Header& h = *at_offset<Header>(ws, L.hdr);
+  const int64_t nsub = (n + kTileRows - 1) / kTileRows;
+  TileSource src[kSubTiles];
+  for (int64_t sub = 0; sub < nsub; ++sub) {
+    const int64_t k0 = sub * kTileRows;
+    src[sub] = tile_source(ws, L, sub, std::min(kTileRows, n - k0), ka + k0,
+                           kb != nullptr ? kb + k0 : nullptr, v + k0);
+  }
+  const uint32_t* qp = at_offset<uint32_t>(ws, L.qp);
+  float* s = at_offset<float>(ws, L.s);
+  switch (nsub) {
+    case 1: qk_tiles<1>(L, h, qp, s, src); break;
+    case 2: qk_tiles<2>(L, h, qp, s, src); break;
+    case 3: qk_tiles<3>(L, h, qp, s, src); break;
+    default: qk_tiles<4>(L, h, qp, s, src); break;
+  }
+  if (softmax_block(ws, L, h, j0, n, d.scale * kLog2e)) {
+    rescale_output(ws, L, h);
+  }
+  switch (nsub) {
+    case 1: pv_tiles<1>(ws, L, h, src); break;
+    case 2: pv_tiles<2>(ws, L, h, src); break;
+    case 3: pv_tiles<3>(ws, L, h, src); break;
+    default: pv_tiles<4>(ws, L, h, src); break;
+  }
+}
+
+void end(void* ws, const CoreDims& d, void* const* out_rows, float* const* out_f32_rows,
+         float* const* lse_ptrs) {
+  _tile_release();
+  const Layout L(d);
+  const Header* h = at_offset<Header>(ws, L.hdr);
+  const float* o = at_offset<float>(ws, L.o);
+  const float* m = at_offset<float>(ws, L.m);
+  const float* l = at_offset<float>(ws, L.l);
+  const int32_t* lim = at_offset<int32_t>(ws, L.lim);
+  // [16 even | 16 odd] -> features in order.
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi =
+      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t g = 0; g < h->rows; ++g) {
+    const bool empty = lim[g] <= 0;
+    *lse_ptrs[g] = empty ? -std::numeric_limits<float>::infinity()
+                         : (m[g] + std::log2(l[g])) * kLn2;
+    // An empty row is written as exact zeros: its O may hold 0 * NaN from another row's keys.
+    const __m512 inv = _mm512_set1_ps(empty ? 0.f : 1.f / l[g]);
+    const float* row = o + g * L.dv;
+    for (int64_t c = 0; c < L.dv / 32; ++c) {
+      const __m512 even = _mm512_loadu_ps(row + 32 * c);
+      const __m512 odd = _mm512_loadu_ps(row + 32 * c + 16);
+      __m512 x0 = _mm512_mul_ps(_mm512_permutex2var_ps(even, lo, odd), inv);
+      __m512 x1 = _mm512_mul_ps(_mm512_permutex2var_ps(even, hi, odd), inv);
+      if (empty) {
+        x0 = _mm512_setzero_ps();
+        x1 = _mm512_setzero_ps();
+      }
+      if (out_rows != nullptr) {
+        uint16_t* dst = static_cast<uint16_t*>(out_rows[g]) + 32 * c;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(x0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16),
+                            (__m256i)_mm512_cvtneps_pbh(x1));
+      } else {
+        float* dst = out_f32_rows[g] + 32 * c;
+        _mm512_storeu_ps(dst, x0);
+        _mm512_storeu_ps(dst + 16, x1);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool attention_core_amx_supports(const CoreDims& dims) {
+  return dims.wa > 0 && dims.wa % 32 == 0 && dims.wb % 32 == 0 && dims.dv > 0 &&
+         dims.dv % 32 == 0;
+}
+
+const mlafx::attn::CoreOps& attention_core_bf16_amx() {
+  static const CoreOps table{&workspace_bytes, &begin, &block, &end};
+  return table;
+}
+
+}  // namespace mlafx::avx512

@@ -1,0 +1,128 @@
+// packed_dot on the AMX tile unit (compiled with the AVX-512 and AMX flags from setup.py; called
+// only when mlafx::use_amx_bf16() and packed_dot_amx_supports()).
+//
+// The packed weight layout [blocks, K/2, 16, 2] (gemm.h) is already the tile unit's B layout:
+// 16 consecutive column pairs of one block are one contiguous 1 KB tile (16 rows of 64 bytes:
+// the 16 outputs' two values side by side). x rows are A tiles as they lie (32 columns of up
+// to 16 rows, the row stride as the tile stride), so nothing is widened or copied: each
+// weight byte is loaded once by a tile load and used by one (M <= 16) or two tile dot
+// products. The fp32 FMA kernel in gemm_avx512.cpp spends a widening and M FMAs per 32
+// weights and falls below memory bandwidth from about 8 rows; on tiles the product is
+// bandwidth-bound at every M up to 32.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "gemm.h"
+
+#if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
+#error "gemm_amx_avx512.cpp must be compiled with the AVX-512 and AMX flags from setup.py"
+#endif
+
+namespace mlafx::avx512 {
+namespace {
+
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kChunk = 32;                       // columns of x per tile
+constexpr int64_t kTileElems = kTileRows * kChunk;   // bf16 elements in one B tile
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles: 0/1 accumulators of row tiles 0/1 (rows 0..15, 16..31 of x); 2/3 their full x chunks;
+// 4 a full weight chunk; 5/6 the x tails and 7 the weight tail (the last K mod 32 columns).
+void configure(int64_t rows0, int64_t rows1, int64_t tail_pairs) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  auto set = [&](int t, int64_t rows, int64_t colsb) {
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = static_cast<uint16_t>(colsb);
+  };
+  set(0, rows0, 64);
+  set(2, rows0, 64);
+  set(4, kTileRows, 64);
+  if (rows1 > 0) {
+    set(1, rows1, 64);
+    set(3, rows1, 64);
+  }
+  if (tail_pairs > 0) {
+    set(5, rows0, 4 * tail_pairs);
+    set(7, tail_pairs, 64);
+    if (rows1 > 0) {
+      set(6, rows1, 4 * tail_pairs);
+    }
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Up to 32 rows of x against blocks [block_begin, block_end).
+template <bool kTwoRowTiles>
+void rows_against_blocks(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t K2,
+                         int64_t full_chunks, bool tail, int64_t block_begin,
+                         int64_t block_end, float* out, int64_t ldo) {
+  const int64_t xstride = 2 * ldx;
+  const int64_t ostride = 4 * ldo;
+  const uint16_t* x1 = x + kTileRows * ldx;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const uint16_t* w = wp + b * K2 * 2 * kTileRows;
+    _tile_zero(0);
+    if constexpr (kTwoRowTiles) _tile_zero(1);
+    for (int64_t c = 0; c < full_chunks; ++c) {
+      _tile_loadd(4, w + c * kTileElems, 64);
+      _tile_loadd(2, x + c * kChunk, xstride);
+      _tile_dpbf16ps(0, 2, 4);
+      if constexpr (kTwoRowTiles) {
+        _tile_loadd(3, x1 + c * kChunk, xstride);
+        _tile_dpbf16ps(1, 3, 4);
+      }
+    }
+    if (tail) {
+      _tile_loadd(7, w + full_chunks * kTileElems, 64);
+      _tile_loadd(5, x + full_chunks * kChunk, xstride);
+      _tile_dpbf16ps(0, 5, 7);
+      if constexpr (kTwoRowTiles) {
+        _tile_loadd(6, x1 + full_chunks * kChunk, xstride);
+        _tile_dpbf16ps(1, 6, 7);
+      }
+    }
+    float* o = out + kTileRows * (b - block_begin);
+    _tile_stored(0, o, ostride);
+    if constexpr (kTwoRowTiles) _tile_stored(1, o + kTileRows * ldo, ostride);
+  }
+}
+
+}  // namespace
+
+bool packed_dot_amx_supports(int64_t K) { return K >= 2 && K % 2 == 0; }
+
+void packed_dot_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int64_t K,
+                         int64_t block_begin, int64_t block_end, float* out, int64_t ldo) {
+  if (M <= 0 || block_end <= block_begin) {
+    return;
+  }
+  const int64_t K2 = K / 2;
+  const int64_t full_chunks = K / kChunk;
+  const int64_t tail_pairs = K2 - full_chunks * kTileRows;
+  for (int64_t m = 0; m < M; m += 2 * kTileRows) {
+    const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
+    const int64_t rows0 = std::min<int64_t>(kTileRows, rows);
+    const int64_t rows1 = rows - rows0;
+    configure(rows0, rows1, tail_pairs);
+    if (rows1 > 0) {
+      rows_against_blocks<true>(x + m * ldx, ldx, wp, K2, full_chunks, tail_pairs > 0,
+                                block_begin, block_end, out + m * ldo, ldo);
+    } else {
+      rows_against_blocks<false>(x + m * ldx, ldx, wp, K2, full_chunks, tail_pairs > 0,
+                                 block_begin, block_end, out + m * ldo, ldo);
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace mlafx::avx512
