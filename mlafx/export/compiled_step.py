@@ -22,10 +22,9 @@ import torch
 
 from mlafx.export.aoti_runner import PackageRunner
 from mlafx.graph.capture import capture_step, sample_step, step_dynamic_shapes
-from mlafx.kernels.gemm_ops import pack_linear_weight
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.step import CACHE_LAYOUT_VERSION, StepMetadata
-from mlafx.passes.lower_linears import packed_constant_source
+from mlafx.passes.derived_constants import with_derived_constants
 from mlafx.passes.pipeline import LoweringResult, lower_step_graph, lowering_source_sha256
 
 log = logging.getLogger(__name__)
@@ -135,7 +134,7 @@ def load_aoti_package(package: Path, constants: dict[str, torch.Tensor]) -> Pack
     the caller: ``user_managed=True``). Every constant the package names must be given."""
     runner = PackageRunner(package)
     wanted = runner.get_constant_fqns()
-    constants = with_packed_weights(constants, wanted)
+    constants = with_derived_constants(constants, wanted)
     missing = sorted(set(wanted) - set(constants))
     if missing:
         raise RuntimeError(f"compiled step {package.name} expects unknown constants {missing[:5]}")
@@ -143,20 +142,6 @@ def load_aoti_package(package: Path, constants: dict[str, torch.Tensor]) -> Pack
         {k: constants[k] for k in wanted}, check_full_update=True, user_managed=True
     )
     return runner
-
-
-def with_packed_weights(
-    constants: dict[str, torch.Tensor], wanted: list[str]
-) -> dict[str, torch.Tensor]:
-    """``constants`` plus the packed copies (``<weight>_packed``, see passes/lower_linears)
-    among ``wanted`` that it lacks, packed from their weights now: packed copies are derived
-    at load time, never stored in a checkpoint or an artifact."""
-    derived = {}
-    for name in wanted:
-        source = packed_constant_source(name)
-        if name not in constants and source in constants:
-            derived[name] = pack_linear_weight(constants[source])
-    return {**constants, **derived} if derived else constants
 
 
 def package_path(model: MLAForCausalLM, block_size: int, cache_dir: Path | None = None) -> Path:

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from mlafx.export.compiled_step import LoweredStep, with_packed_weights
+from mlafx.export.compiled_step import LoweredStep
+from mlafx.passes.derived_constants import with_derived_constants
 from mlafx.graph.capture import step_dynamic_shapes
 
 PT2_FILE = "step.pt2"
@@ -67,7 +68,7 @@ class Pt2Step:
     """The step ABI over a loaded ``step.pt2`` and its weights."""
 
     def __init__(self, path: Path, weights: dict[str, torch.Tensor], names: list[str]) -> None:
-        weights = with_packed_weights(weights, names)  # derived at load time, never stored
+        weights = with_derived_constants(weights, names)  # derived at load time, never stored
         missing = sorted(set(names) - set(weights))
         if missing:
             raise ValueError(f"{path.name} needs weights the artifact lacks: {missing[:5]}")

@@ -2,7 +2,7 @@
 the paged cache and the split (decompressed suffix + absorbed context, merged) path.
 
 Symbols as in ``mlafx.models.attention``: H heads, Lkv latent width, R rope width, P/V the
-nope/value head widths; ``W_UK`` [H, P, Lkv], ``W_UV`` [H, V, Lkv] (``absorb_weights``).
+nope/value head widths; ``W_UK`` [H, P, Lkv], ``W_UV^T`` [H, Lkv, V] (``absorb_weights``).
 Every helper inserts nodes at the graph's current insertion point and returns the node(s)
 holding its result; shape comments give the values' shapes.
 """
@@ -69,8 +69,8 @@ def absorbed_attention(
         site.kv_lora_rank,
     )
     out_lat = emit(operator.getitem, attn, 0)  # [N, H, Lkv]
-    w_uv_t = emit(aten.transpose.int, emit.weights.w_uv, 1, 2)  # [H, Lkv, V]
-    out = emit(aten.bmm.default, emit(aten.transpose.int, out_lat, 0, 1), w_uv_t)  # [H, N, V]
+    out_lat_h = emit(aten.transpose.int, out_lat, 0, 1)  # [H, N, Lkv]
+    out = emit(aten.bmm.default, out_lat_h, emit.weights.w_uv_t)  # [H, N, V]
     return emit.contiguous(emit(aten.transpose.int, out, 0, 1)), emit(operator.getitem, attn, 1)
 
 

@@ -105,6 +105,11 @@ def match_site(sdpa: fx.Node, layer: int) -> MLASite:
         is_call(decompress, aten.linear.default), f"k/v come from {decompress.target}, not a linear"
     )
     _expect(len(decompress.args) < 3 or decompress.args[2] is None, "kv_b_proj has a bias")
+    kv_b_weight = decompress.args[1]
+    _expect(
+        isinstance(kv_b_weight, fx.Node) and kv_b_weight.op == "get_attr",
+        "kv_b_proj's weight is computed in the graph, not a weight of it",
+    )
     latent_split, latent_index = _split_part(decompress.args[0], "kv_b_proj input")
     _expect(latent_index == 0, "kv_b_proj does not read the latent part of the rows")
     rope_rows = k_rope_src
@@ -139,7 +144,7 @@ def match_site(sdpa: fx.Node, layer: int) -> MLASite:
         kv_c=kv_c,
         k_pe=k_pe,
         gather=gather,
-        kv_b_weight=decompress.args[1],
+        kv_b_weight=kv_b_weight,
         q_nope=q_nope,
         q_pe=q_pe,
         mask=mask,

@@ -6,12 +6,12 @@ graph (a ``get_attr``: q/kv/o projections, shared experts, dense MLPs, lm_head, 
 split attention path's ``kv_b_proj`` decompression) and ``x`` is 2-D. Weights computed in
 the graph (the fp32 router's cast weight) do not match.
 Replacement: ``mlafx.linear_packed(x, W, W_packed, b)``, where ``W_packed`` =
-``pack_linear_weight(W)`` is a new constant named ``<W's name>_packed`` next to ``W``.
+``pack_linear_weight(W)`` is a derived constant named ``<W's name>_packed`` next to ``W``.
 Requires: nothing beyond the pattern; run after ``lower_attention`` (whose absorbed
 weights are views of ``kv_b_proj.weight``, not linears).
 Ensures: no ``aten.linear`` over a graph weight remains; each weight is packed once however
 many linears share it. Packed constants are not checkpoint weights: whoever loads the
-compiled graph derives them again from ``W`` (:func:`packed_constant_source`).
+compiled graph derives them again from ``W`` (``passes/derived_constants.py``).
 """
 
 from __future__ import annotations
@@ -22,29 +22,11 @@ import torch
 from torch import fx
 
 import mlafx.kernels  # noqa: F401  (registers the mlafx ops and their fakes)
-from mlafx.kernels.gemm_ops import pack_linear_weight
+from mlafx.passes.derived_constants import derived_attr, packed_name
 from mlafx.passes.graph_utils import tensor_shape
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
-PACKED_SUFFIX = "_packed"
-
-
-def packed_constant_source(name: str) -> str | None:
-    """The weight a packed constant is derived from (``a.b.weight_packed`` -> ``a.b.weight``),
-    or None when ``name`` is not a packed constant."""
-    return name[: -len(PACKED_SUFFIX)] if name.endswith(PACKED_SUFFIX) else None
-
-
-def _packed_attr(gm: fx.GraphModule, weight_name: str) -> str:
-    owner_path, _, attr = weight_name.rpartition(".")
-    owner = gm.get_submodule(owner_path) if owner_path else gm
-    packed_attr = attr + PACKED_SUFFIX
-    if not hasattr(owner, packed_attr):
-        with torch.no_grad():
-            packed = pack_linear_weight(getattr(owner, attr).detach())
-        owner.register_buffer(packed_attr, packed, persistent=False)
-    return f"{owner_path}.{packed_attr}" if owner_path else packed_attr
 
 
 def _rank(linear: fx.Node) -> int | None:
@@ -85,9 +67,8 @@ def lower_linears(gm: fx.GraphModule) -> int:
                 weight_shape,
             )
             continue
-        packed_name = _packed_attr(gm, weight.target)
         with graph.inserting_before(node):
-            packed = graph.get_attr(packed_name)
+            packed = derived_attr(gm, packed_name(weight.target))
             lowered = graph.call_function(
                 torch.ops.mlafx.linear_packed.default, (x, weight, packed, bias)
             )
