@@ -309,9 +309,11 @@ void run_attention(const Problem& problem, const CoreOps& core, const CoreDims& 
     void* out[kMaxRows];
     float* lse[kMaxRows];
     float* out_f32[kMaxRows];
-    const void* ka[kBlockKeys];
-    const void* kb[kBlockKeys];
-    const void* v[kBlockKeys];
+    // Two sets of key pointers: the block being computed and the next one, announced to the
+    // core (prefetch) before the current block runs.
+    const void* ka[2][kBlockKeys];
+    const void* kb[2][kBlockKeys];
+    const void* v[2][kBlockKeys];
     // One workspace per thread, kept across calls: decode steps are short enough that a
     // fresh few-hundred-KB allocation (and its page faults) would show. Never in the key loop.
     thread_local std::vector<char> workspace;
@@ -326,10 +328,24 @@ void run_attention(const Problem& problem, const CoreOps& core, const CoreDims& 
         const int64_t rows = problem.group_rows(item.group);
         problem.rows(item.group, q, limits, out, lse);
         core.begin(ws, dims, rows, q, limits);
+        int cur = 0;
+        if (item.j0 < item.j1) {
+          problem.keys(item.group, item.j0, std::min(kBlockKeys, item.j1 - item.j0), ka[cur],
+                       kb[cur], v[cur]);
+        }
         for (int64_t j = item.j0; j < item.j1; j += kBlockKeys) {
           const int64_t n = std::min(kBlockKeys, item.j1 - j);
-          problem.keys(item.group, j, n, ka, kb, v);
-          core.block(ws, dims, j, n, ka, kb, v);
+          const int64_t j_next = j + kBlockKeys;
+          if (j_next < item.j1) {
+            const int nxt = 1 - cur;
+            const int64_t n_next = std::min(kBlockKeys, item.j1 - j_next);
+            problem.keys(item.group, j_next, n_next, ka[nxt], kb[nxt], v[nxt]);
+            if (core.prefetch != nullptr) {
+              core.prefetch(ws, dims, n_next, ka[nxt], kb[nxt], v[nxt]);
+            }
+          }
+          core.block(ws, dims, j, n, ka[cur], kb[cur], v[cur]);
+          cur = 1 - cur;
         }
         if (item.split < 0) {
           core.end(ws, dims, out, nullptr, lse);

@@ -53,6 +53,12 @@ struct CoreOps {
   // *lse_ptrs[g]. A row with limit 0 gets output 0 and LSE -inf.
   void (*end)(void* ws, const CoreDims& dims, void* const* out_rows, float* const* out_f32_rows,
               float* const* lse_ptrs);
+  // Optional (null when a core has no use for it): the keys the *next* block() call will be
+  // fed, announced just before the current one, so the core can prefetch their rows while it
+  // works; the arguments mean what block()'s do. A cold cache row costs far more to load than
+  // to use, and loads the core issues on demand keep too few misses in flight.
+  void (*prefetch)(void* ws, const CoreDims& dims, int64_t n, const void* const* ka,
+                   const void* const* kb, const void* const* v) = nullptr;
 };
 
 }  // namespace mlafx::attn

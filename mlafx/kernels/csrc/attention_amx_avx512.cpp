@@ -20,6 +20,9 @@
 //     repacking of V: the kernel is memory-bound by a wide margin, so reading the cache once
 //     and never writing a copy of it is what counts. The output accumulator holds each 32
 //     features as [16 even | 16 odd] and is put back in order once, at the end.
+// The next block's rows are prefetched into L2 while this one computes, a slice per q.k chunk
+// (see CoreOps::prefetch): tile loads of cold rows keep few cache misses in flight, which
+// left decode at a third of the memory bandwidth when the cache was not already in L3.
 // Partial key sub-tiles (fewer than 16 keys, or keys whose rows are not evenly spaced, e.g. a
 // block size below 16) are copied into a zero-padded staging tile first.
 #include <immintrin.h>
@@ -77,11 +80,46 @@ void configure_tiles() {
 // after the plain stores that filled their source.
 inline void compiler_barrier() { asm volatile("" ::: "memory"); }
 
+// Rows of the next block still to prefetch: spans of whole cache lines and a cursor.
+struct PrefetchList {
+  static constexpr int64_t kMaxSpans = 3 * kBlockKeys;  // segment a, b and value rows
+  int64_t count;       // spans
+  int64_t span;        // cursor: current span
+  int64_t line;        // cursor: next line within it
+  int64_t total;       // lines in all spans
+  const char* start[kMaxSpans];
+  int64_t lines[kMaxSpans];
+
+  void add(const void* row, int64_t bytes) {
+    const auto first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
+    const auto last = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(bytes);
+    start[count] = reinterpret_cast<const char*>(first);
+    lines[count] = static_cast<int64_t>((last - first + 63) / 64);
+    total += lines[count];
+    ++count;
+  }
+
+  // Issue up to `budget` more prefetches (into L2: a block is larger than L1).
+  void issue(int64_t budget) {
+    for (; span < count && budget > 0; ++span, line = 0) {
+      const int64_t todo = std::min(budget, lines[span] - line);
+      for (int64_t i = 0; i < todo; ++i) {
+        _mm_prefetch(start[span] + 64 * (line + i), _MM_HINT_T1);
+      }
+      budget -= todo;
+      line += todo;
+      if (line < lines[span]) {
+        return;
+      }
+    }
+  }
+};
+
 struct Layout {
   int64_t pa, pb;  // feature pairs in segments a and b
   int64_t ca, cb;  // 32-feature chunks in segments a and b
   int64_t dv, wk;  // value width; key width wa + wb
-  size_t hdr, qp, lim, s, pe, po, o, m, l, alpha, stage_k, stage_v, total;
+  size_t hdr, qp, lim, s, pe, po, o, m, l, alpha, stage_k, stage_v, pf, total;
   explicit Layout(const CoreDims& d)
       : pa(d.wa / 2), pb(d.wb / 2), ca(d.wa / 32), cb(d.wb / 32), dv(d.dv), wk(d.wa + d.wb) {
     size_t at = 0;
@@ -102,6 +140,7 @@ struct Layout {
     alpha = take(4 * kMaxRows);
     stage_k = take(2 * kBlockKeys * static_cast<size_t>(wk));
     stage_v = take(2 * kBlockKeys * static_cast<size_t>(dv));
+    pf = take(sizeof(PrefetchList));
     total = at;
   }
 };
@@ -203,15 +242,19 @@ TileSource tile_source(void* ws, const Layout& L, int64_t sub, int64_t count,
 
 template <int NSUB>
 void qk_tiles(const Layout& L, const Header& h, const uint32_t* qp, float* s,
-              const TileSource* src) {
+              const TileSource* src, PrefetchList* pf) {
   const int64_t gp = h.gp;
   const int64_t qstride = 4 * gp;
+  // The next block's prefetches, spread evenly over this block's q.k chunks.
+  const int64_t chunks = h.rt * (L.ca + L.cb);
+  const int64_t per_chunk = (pf->total + chunks - 1) / chunks;
   for (int64_t r = 0; r < h.rt; ++r) {
     _tile_zero(0);
     if constexpr (NSUB > 1) _tile_zero(1);
     if constexpr (NSUB > 2) _tile_zero(2);
     if constexpr (NSUB > 3) _tile_zero(3);
     for (int64_t c = 0; c < L.ca; ++c) {
+      pf->issue(per_chunk);
       _tile_loadd(4, qp + (16 * c) * gp + 16 * r, qstride);
       const int64_t off = 64 * c;
       MLAFX_QK_SUB(0, 5, src[0].a, off, src[0].sa);
@@ -220,6 +263,7 @@ void qk_tiles(const Layout& L, const Header& h, const uint32_t* qp, float* s,
       if constexpr (NSUB > 3) MLAFX_QK_SUB(3, 5, src[3].a, off, src[3].sa);
     }
     for (int64_t c = 0; c < L.cb; ++c) {
+      pf->issue(per_chunk);
       _tile_loadd(4, qp + (L.pa + 16 * c) * gp + 16 * r, qstride);
       const int64_t off = 64 * c;
       MLAFX_QK_SUB(0, 5, src[0].b, off, src[0].sb);
@@ -350,41 +394,54 @@ void rescale_output(void* ws, const Layout& L, const Header& h) {
 
 // ---- P.V on tiles ------------------------------------------------------------------------------
 //
-// Tiles: 0/1 the even/odd accumulators of one 32-feature chunk, 2/3 and 5/6 the even/odd P
-// tiles of two key sub-tiles, 4 and 7 their V chunks.
+// Key sub-tiles go in pairs, so their P tiles are loaded once per pair rather than once per
+// 32 output features. Tiles: 0/1 the even/odd accumulators of one 32-feature chunk, 2/3 and
+// 4/5 the even/odd P tiles of the pair's two sub-tiles, 6 and 7 their value chunks.
 
-#define MLAFX_PV_SUB(PE, PO, VT, SUB)                                    \
-  do {                                                                  \
-    _tile_loadd(PE, pe + ((SUB)) * (kTileBytes / 4), 64);               \
-    _tile_loadd(PO, po + ((SUB)) * (kTileBytes / 4), 64);               \
-    _tile_loadd(VT, src[SUB].v + 64 * c, src[SUB].sv);                  \
-    _tile_dpbf16ps(0, PE, VT);                                          \
-    _tile_dpbf16ps(1, PO, VT);                                          \
-  } while (0)
-
-template <int NSUB>
-void pv_tiles(void* ws, const Layout& L, const Header& h, const TileSource* src) {
-  float* o_all = at_offset<float>(ws, L.o);
-  const int64_t ostride = 4 * L.dv;
-  compiler_barrier();
-  for (int64_t r = 0; r < h.rt; ++r) {
-    const uint32_t* pe = at_offset<uint32_t>(ws, L.pe) + r * kSubTiles * (kTileBytes / 4);
-    const uint32_t* po = at_offset<uint32_t>(ws, L.po) + r * kSubTiles * (kTileBytes / 4);
-    float* o = o_all + 16 * r * L.dv;
-    for (int64_t c = 0; c < L.dv / 32; ++c) {
-      _tile_loadd(0, o + 32 * c, ostride);
-      _tile_loadd(1, o + 32 * c + 16, ostride);
-      MLAFX_PV_SUB(2, 3, 4, 0);
-      if constexpr (NSUB > 1) MLAFX_PV_SUB(5, 6, 7, 1);
-      if constexpr (NSUB > 2) MLAFX_PV_SUB(2, 3, 4, 2);
-      if constexpr (NSUB > 3) MLAFX_PV_SUB(5, 6, 7, 3);
-      _tile_stored(0, o + 32 * c, ostride);
-      _tile_stored(1, o + 32 * c + 16, ostride);
+template <bool kPair>
+void pv_pair(const uint32_t* pe, const uint32_t* po, float* o, int64_t dv, const TileSource& a,
+             const TileSource& b) {
+  constexpr int64_t kTileWords = kTileBytes / 4;
+  const int64_t ostride = 4 * dv;
+  _tile_loadd(2, pe, 64);
+  _tile_loadd(3, po, 64);
+  if constexpr (kPair) {
+    _tile_loadd(4, pe + kTileWords, 64);
+    _tile_loadd(5, po + kTileWords, 64);
+  }
+  for (int64_t c = 0; c < dv / 32; ++c) {
+    _tile_loadd(0, o + 32 * c, ostride);
+    _tile_loadd(1, o + 32 * c + 16, ostride);
+    _tile_loadd(6, a.v + 64 * c, a.sv);
+    _tile_dpbf16ps(0, 2, 6);
+    _tile_dpbf16ps(1, 3, 6);
+    if constexpr (kPair) {
+      _tile_loadd(7, b.v + 64 * c, b.sv);
+      _tile_dpbf16ps(0, 4, 7);
+      _tile_dpbf16ps(1, 5, 7);
     }
+    _tile_stored(0, o + 32 * c, ostride);
+    _tile_stored(1, o + 32 * c + 16, ostride);
   }
 }
 
-#undef MLAFX_PV_SUB
+void pv_tiles(void* ws, const Layout& L, const Header& h, int64_t nsub, const TileSource* src) {
+  constexpr int64_t kTileWords = kTileBytes / 4;
+  compiler_barrier();
+  for (int64_t r = 0; r < h.rt; ++r) {
+    const uint32_t* pe = at_offset<uint32_t>(ws, L.pe) + r * kSubTiles * kTileWords;
+    const uint32_t* po = at_offset<uint32_t>(ws, L.po) + r * kSubTiles * kTileWords;
+    float* o = at_offset<float>(ws, L.o) + 16 * r * L.dv;
+    for (int64_t sub = 0; sub < nsub; sub += 2) {
+      const int64_t off = sub * kTileWords;
+      if (sub + 1 < nsub) {
+        pv_pair<true>(pe + off, po + off, o, L.dv, src[sub], src[sub + 1]);
+      } else {
+        pv_pair<false>(pe + off, po + off, o, L.dv, src[sub], src[sub]);
+      }
+    }
+  }
+}
 
 // ---- the CoreOps entry points ---------------------------------------------------------------
 
@@ -419,6 +476,8 @@ void begin(void* ws, const CoreDims& d, int64_t num_rows, const void* const* q_r
     lim[g] = static_cast<int32_t>(limits[g] < INT32_MAX ? limits[g] : INT32_MAX);
   }
   std::memset(at_offset<float>(ws, L.o), 0, sizeof(float) * gp * L.dv);
+  PrefetchList* pf = at_offset<PrefetchList>(ws, L.pf);
+  pf->count = pf->span = pf->line = pf->total = 0;
   float* m = at_offset<float>(ws, L.m);
   float* l = at_offset<float>(ws, L.l);
   for (int64_t g = 0; g < gp; ++g) {
@@ -441,20 +500,34 @@ void block(void* ws, const CoreDims& d, int64_t j0, int64_t n, const void* const
   }
   const uint32_t* qp = at_offset<uint32_t>(ws, L.qp);
   float* s = at_offset<float>(ws, L.s);
+  PrefetchList* pf = at_offset<PrefetchList>(ws, L.pf);
   switch (nsub) {
-    case 1: qk_tiles<1>(L, h, qp, s, src); break;
-    case 2: qk_tiles<2>(L, h, qp, s, src); break;
-    case 3: qk_tiles<3>(L, h, qp, s, src); break;
-    default: qk_tiles<4>(L, h, qp, s, src); break;
+    case 1: qk_tiles<1>(L, h, qp, s, src, pf); break;
+    case 2: qk_tiles<2>(L, h, qp, s, src, pf); break;
+    case 3: qk_tiles<3>(L, h, qp, s, src, pf); break;
+    default: qk_tiles<4>(L, h, qp, s, src, pf); break;
   }
+  pf->issue(pf->total);  // whatever the chunks left
+  pf->count = pf->total = 0;
   if (softmax_block(ws, L, h, j0, n, d.scale * kLog2e)) {
     rescale_output(ws, L, h);
   }
-  switch (nsub) {
-    case 1: pv_tiles<1>(ws, L, h, src); break;
-    case 2: pv_tiles<2>(ws, L, h, src); break;
-    case 3: pv_tiles<3>(ws, L, h, src); break;
-    default: pv_tiles<4>(ws, L, h, src); break;
+  pv_tiles(ws, L, h, nsub, src);
+}
+
+void prefetch(void* ws, const CoreDims& d, int64_t n, const void* const* ka,
+              const void* const* kb, const void* const* v) {
+  const Layout L(d);
+  PrefetchList* pf = at_offset<PrefetchList>(ws, L.pf);
+  pf->count = pf->span = pf->line = pf->total = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    pf->add(ka[k], 2 * d.wa);
+    if (d.wb > 0) {
+      pf->add(kb[k], 2 * d.wb);
+    }
+    if (v[k] != ka[k]) {  // MLA: the value is the key row's prefix
+      pf->add(v[k], 2 * d.dv);
+    }
   }
 }
 
@@ -509,7 +582,7 @@ bool attention_core_amx_supports(const CoreDims& dims) {
 }
 
 const mlafx::attn::CoreOps& attention_core_bf16_amx() {
-  static const CoreOps table{&workspace_bytes, &begin, &block, &end};
+  static const CoreOps table{&workspace_bytes, &begin, &block, &end, &prefetch};
   return table;
 }
 
