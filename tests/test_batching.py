@@ -76,13 +76,14 @@ def test_chunked_prefill_and_prefix_hits_give_the_unchunked_tokens(
     assert llm.get_metrics()["num_steps"] >= sum(map(len, prompts)) // 32
     later = llm.generate(followers, params)  # prefix hits on the shared prompt's blocks
     assert_same_greedy(refs, first + later, f"bs {block_size}")
-    # hits are whole blocks of the longest prefix shared with an earlier prompt, and never
-    # the last prompt token (it produces the logits)
+    # hits cover the longest prefix shared with the rows of an earlier request (its prompt
+    # and every output token but the last, which was never fed back), whole blocks and then
+    # a partial one, and never the last prompt token (it produces the logits)
+    cached_rows = [o.prompt_token_ids + o.outputs[0].token_ids[:-1] for o in first + later]
     for i, out in enumerate(later):
         ids = out.prompt_token_ids
-        shared_len = max(common_prefix(ids, p) for p in prompts + followers[:i])
-        want = min(shared_len, len(ids) - 1) // block_size * block_size
-        assert out.num_cached_tokens == want >= 128 - block_size
+        shared_len = max(common_prefix(ids, rows) for rows in cached_rows[: len(first) + i])
+        assert out.num_cached_tokens == min(shared_len, len(ids) - 1) >= 127
     assert llm.get_metrics()["prefix_cache_hit_tokens"] == sum(o.num_cached_tokens for o in later)
 
 
@@ -145,13 +146,13 @@ def test_request_metrics_and_engine_metrics():
         m = out.metrics
         assert m.time_to_first_token > 0 and m.time_per_output_token > 0
         assert m.num_output_tokens == 5 and m.finished_time >= m.last_token_time
-    assert third.num_cached_tokens == 36 and first.num_cached_tokens == 0
+    assert third.num_cached_tokens == 39 and first.num_cached_tokens == 0  # all but the last
     metrics = llm.get_metrics()
     assert all(isinstance(v, int | float) for v in metrics.values())
-    assert metrics["prompt_tokens"] == 120 and metrics["prefix_cache_hit_tokens"] == 36
-    assert metrics["prefix_cache_hit_rate"] == pytest.approx(36 / 120)
+    assert metrics["prompt_tokens"] == 120 and metrics["prefix_cache_hit_tokens"] == 39
+    assert metrics["prefix_cache_hit_rate"] == pytest.approx(39 / 120)
     assert metrics["external_hit_tokens"] == 0 and metrics["external_cache_hit_rate"] == 0
-    assert metrics["computed_prompt_tokens"] == 120 - 36 and metrics["generation_tokens"] == 15
+    assert metrics["computed_prompt_tokens"] == 120 - 39 and metrics["generation_tokens"] == 15
     assert metrics["prompt_tokens_per_s"] > 0 and metrics["generation_tokens_per_s"] > 0
     assert metrics["kv_cache_usage"] == 0
 

@@ -66,7 +66,7 @@ def prefix_hit_ttft(
     llm: LLM, prompt_len: int = 300, repeats: int = 3, salt: int = 5000, warmup: int = 1
 ) -> dict[str, float | list[float]]:
     """Median TTFT of fresh ``prompt_len``-token prompts (cold), then of each sent again
-    (its full blocks come from the prefix cache), in milliseconds, with every run's figure.
+    (all but its last token come from the prefix cache), in milliseconds, with every run's figure.
 
     ``warmup`` untimed cold/hit pairs go first: the first step at a new number of rows pays
     one-time costs (oneDNN creates its GEMM primitives per shape) that belong to neither

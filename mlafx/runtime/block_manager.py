@@ -13,6 +13,14 @@ least-recently-used eviction: unregistered blocks first, then registered blocks 
 order they were freed; a request frees its blocks last-to-first, so a prefix's tail is
 evicted before its head (a head without its tail is still a hit; a tail alone is not).
 Registered blocks are never written: requests only ever write past their last hit block.
+
+Partial hits: a block also serves any leading run of the tokens it holds. Every registered
+full block, and the partly filled last block of a request (its computed rows so far:
+``register_rows``), is indexed by its parent key and its tokens; ``lookup_rows`` finds the
+block holding the longest leading run of a request's next tokens. Such a block is never
+shared: the new holder gets its own block and the matching rows are copied into it (the
+owner of a partly filled block keeps appending rows past those, which never changes the
+rows it advertised). A partial entry is forgotten, like a key, when its block is evicted.
 """
 
 from __future__ import annotations
@@ -39,6 +47,10 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._key_of: dict[int, BlockHash] = {}  # registered block -> its key
         self._block_of: dict[BlockHash, int] = {}  # key -> the block holding it
+        # partial hits: block -> (parent key, the tokens of its computed rows), and the
+        # blocks by (parent key, first token)
+        self._rows_of: dict[int, tuple[BlockHash | None, tuple[int, ...]]] = {}
+        self._by_first: dict[tuple[BlockHash | None, int], set[int]] = {}
 
     @property
     def num_usable_blocks(self) -> int:
@@ -57,8 +69,12 @@ class BlockManager:
         return self._ref_counts[block]
 
     def is_registered(self, block: int) -> bool:
-        """Whether ``block`` holds a cached prefix (then it must never be written)."""
+        """Whether ``block`` holds a cached full-block prefix (then it must never be written)."""
         return block in self._key_of
+
+    def is_cached(self, block: int) -> bool:
+        """Whether ``block`` holds rows a later request may reuse (a key or partial rows)."""
+        return block in self._key_of or block in self._rows_of
 
     # ----- prefix cache -----
     def lookup(self, keys: Sequence[BlockHash]) -> list[int]:
@@ -84,13 +100,65 @@ class BlockManager:
                 del self._free[block]
             self._ref_counts[block] += 1
 
-    def register(self, block: int, key: BlockHash) -> None:
+    def register(
+        self,
+        block: int,
+        key: BlockHash,
+        parent: BlockHash | None = None,
+        tokens: Sequence[int] | None = None,
+    ) -> None:
         """Record that ``block`` (in use, all rows computed) holds the prefix ``key``. A key
-        already held by another block keeps that block; this one stays unregistered."""
+        already held by another block keeps that block; this one stays unregistered.
+        ``parent`` (the previous block's key) and ``tokens`` (the block's) also offer its
+        leading rows to partial hits."""
         if not self.enable_prefix_caching or block in self._key_of or key in self._block_of:
             return
         self._key_of[block] = key
         self._block_of[key] = block
+        if tokens is not None:
+            self.register_rows(block, parent, tokens)
+
+    def register_rows(self, block: int, parent: BlockHash | None, tokens: Sequence[int]) -> None:
+        """Offer the computed rows of ``block`` (in use) to partial hits: they hold
+        ``tokens``, following the prefix ``parent`` (None: the block starts the sequence).
+        Called again as its holder computes more rows; rows another block already offers
+        are not offered twice."""
+        if not self.enable_prefix_caching or not tokens:
+            return
+        held = tuple(tokens)
+        if self._rows_of.get(block) == (parent, held):
+            return
+        self._forget_rows(block)
+        first = (parent, held[0])
+        if any(self._rows_of[b][1][: len(held)] == held for b in self._by_first.get(first, ())):
+            return
+        self._rows_of[block] = (parent, held)
+        self._by_first.setdefault(first, set()).add(block)
+
+    def lookup_rows(self, parent: BlockHash | None, tokens: Sequence[int]) -> tuple[int, int]:
+        """The block whose rows hold the longest leading run of ``tokens`` after the prefix
+        ``parent``, and that run's length; ``(0, 0)`` if none does (nothing is taken)."""
+        if not self.enable_prefix_caching or not tokens:
+            return 0, 0
+        best, best_rows = 0, 0
+        for block in self._by_first.get((parent, tokens[0]), ()):
+            held = self._rows_of[block][1]
+            rows = next(
+                (i for i, (a, b) in enumerate(zip(held, tokens, strict=False)) if a != b),
+                min(len(held), len(tokens)),
+            )
+            if rows > best_rows or (rows == best_rows and block < best):
+                best, best_rows = block, rows
+        return best, best_rows
+
+    def _forget_rows(self, block: int) -> None:
+        entry = self._rows_of.pop(block, None)
+        if entry is not None:
+            parent, held = entry
+            peers = self._by_first[(parent, held[0])]
+            peers.discard(block)
+            if not peers:
+                del self._by_first[(parent, held[0])]
 
     # ----- allocation -----
     def allocate(self, count: int) -> list[int]:
@@ -103,6 +171,7 @@ class BlockManager:
             key = self._key_of.pop(block, None)
             if key is not None:
                 del self._block_of[key]
+            self._forget_rows(block)
             self._ref_counts[block] = 1
             blocks.append(block)
         return blocks
@@ -115,5 +184,5 @@ class BlockManager:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._free[block] = None
-                if block not in self._key_of:  # nothing worth keeping: reuse it first
+                if not self.is_cached(block):  # nothing worth keeping: reuse it first
                     self._free.move_to_end(block, last=False)

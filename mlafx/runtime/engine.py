@@ -297,6 +297,7 @@ class LLM:
             enable_chunked_prefill=options.enable_chunked_prefill,
             enable_prefix_caching=options.enable_prefix_caching,
             kv_connector=kv_connector,
+            partial_block_hits=self.workers is None,  # workers hold their own caches
         )
         self.kv_caches = self.engine.kv_caches
         self._request_counter = itertools.count()

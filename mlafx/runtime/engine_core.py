@@ -44,7 +44,11 @@ class EngineCore:
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
         kv_connector: KVConnector | None = None,
+        partial_block_hits: bool = True,
     ) -> None:
+        """``partial_block_hits``: reuse the leading rows of a cached block by copying them
+        (``Scheduler``); off when the step keeps its own caches (tensor-parallel workers),
+        where these tensors are not the ones the step reads."""
         self.config = config
         self.step_fn = step_fn
         self.block_size = block_size
@@ -67,8 +71,14 @@ class EngineCore:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
             kv_transfer=self.kv_transfer,
+            copy_rows=self._copy_rows if partial_block_hits else None,
         )
         self.requests: dict[str, Request] = {}  # unfinished, by id
+
+    def _copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """Cache rows ``0 .. rows-1`` of block ``src`` into block ``dst``, every layer."""
+        for cache in self.kv_caches:
+            cache[dst, :rows] = cache[src, :rows]
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:

@@ -16,13 +16,20 @@ stopped, so its output is unchanged. No new request is admitted in a step that p
 
 A hit never covers a request's last token (it must be computed: it produces the logits),
 so a request writes only into blocks past its last hit block: shared blocks stay read-only.
+After the whole-block hits, the next block may be a partial hit (``copy_rows`` given, no KV
+connector load): the leading rows of a cached block (a full one, or another request's partly
+filled last block) that hold the request's next tokens are copied into the request's own new
+block, and computing starts after them. A prompt sent again thus computes only its last
+token, whatever its length.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from mlafx.runtime.block_hash import BlockHash
 from mlafx.runtime.block_manager import BlockManager
 from mlafx.runtime.kv_transfer import KVTransfer
 from mlafx.runtime.metrics import EngineStats
@@ -67,7 +74,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         kv_transfer: KVTransfer | None = None,
+        copy_rows: Callable[[int, int, int], None] | None = None,
     ) -> None:
+        """``copy_rows(src, dst, rows)`` copies the first ``rows`` cache rows of block
+        ``src`` into block ``dst`` in every layer; without it there are no partial hits."""
         self.blocks = blocks
         self.stats = stats
         self.block_size = block_size
@@ -75,6 +85,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.kv_transfer = kv_transfer
+        self.copy_rows = copy_rows
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
 
@@ -142,15 +153,20 @@ class Scheduler:
         num_external = 0
         if self.kv_transfer is not None and len(hits) < len(keys):
             num_external = max(self.kv_transfer.lookup(keys) - len(hits), 0)
-        start = (len(hits) + num_external) * bs
+        source, rows = (0, 0) if num_external else self._partial_hit(request, keys, len(hits))
+        start = (len(hits) + num_external) * bs + rows
         end = self._chunk_end(request, start, budget)
         if end - start > budget and not alone:
             return None  # a whole prompt over the budget waits for a step of its own
         needed = -(-end // bs) - len(hits)
-        if needed + self.blocks.num_free_among(hits) > self.blocks.num_free_blocks:
+        held = hits + [source] if rows else hits  # the source is held while it is copied
+        if needed + self.blocks.num_free_among(held) > self.blocks.num_free_blocks:
             return None
-        self.blocks.touch(hits)
+        self.blocks.touch(held)
         request.blocks = hits + self.blocks.allocate(needed)
+        if rows:
+            self.copy_rows(source, request.blocks[len(hits)], rows)
+            self.blocks.free([source])
         if num_external:
             external_blocks = request.blocks[len(hits) : len(hits) + num_external]
             loaded = self.kv_transfer.load(
@@ -172,9 +188,23 @@ class Scheduler:
             request.num_cached_tokens = start
             self.stats.num_requests += 1
             self.stats.lookup_prompt_tokens += request.num_prompt_tokens
-            self.stats.prefix_cache_hit_tokens += len(hits) * bs
+            self.stats.prefix_cache_hit_tokens += len(hits) * bs + rows
             self.stats.external_hit_tokens += num_external * bs
         return ScheduledSequence(request, start, end)
+
+    def _partial_hit(
+        self, request: Request, keys: list[BlockHash], num_hits: int
+    ) -> tuple[int, int]:
+        """(cached block, rows) whose leading rows hold the tokens after the whole-block
+        hits, short of the last token; (0, 0) if none do."""
+        if self.copy_rows is None:
+            return 0, 0
+        first = num_hits * self.block_size
+        last = min(first + self.block_size, request.num_tokens - 1)
+        if last <= first:
+            return 0, 0
+        parent = keys[num_hits - 1] if num_hits else None
+        return self.blocks.lookup_rows(parent, request.token_ids(first, last))
 
     def _chunk_end(self, request: Request, start: int, budget: int) -> int:
         """End of the span computed next from ``start``: the rest of the request's tokens,
@@ -197,12 +227,19 @@ class Scheduler:
     # ----- after a step -----
     def register_computed_blocks(self, request: Request) -> None:
         """Offer ``request``'s newly completed full blocks to the prefix cache."""
-        full = request.num_computed_tokens // self.block_size
+        bs = self.block_size
+        full = request.num_computed_tokens // bs
+        keys = request.block_keys(bs, full)
         if full > request.num_registered_blocks:
-            keys = request.block_keys(self.block_size, full)
             for i in range(request.num_registered_blocks, full):
-                self.blocks.register(request.blocks[i], keys[i])
+                parent = keys[i - 1] if i else None
+                tokens = request.token_ids(i * bs, (i + 1) * bs)
+                self.blocks.register(request.blocks[i], keys[i], parent, tokens)
             request.num_registered_blocks = full
+        if self.copy_rows is not None and request.num_computed_tokens > full * bs:
+            # the partly filled last block: its computed rows so far
+            tokens = request.token_ids(full * bs, request.num_computed_tokens)
+            self.blocks.register_rows(request.blocks[full], keys[-1] if full else None, tokens)
 
     def save_prompt(self, request: Request) -> None:
         """Hand a fully computed prompt's full blocks to the KV connector (once)."""
