@@ -38,19 +38,20 @@ def run(capsys, *flags: str) -> tuple[int, str, str]:
 
 def test_chunked_run_reports_a_prefix_hit_and_metrics(capsys):
     # an 8-token budget: the first prompt takes 3 chunked steps, the second is admitted
-    # after them and finds its first 5 blocks cached
+    # after them and finds its first 5 blocks cached, then 3 rows of the first's last block
+    # (a partial-block hit: every token but its last)
     code, out, _ = run(capsys, "--max-num-batched-tokens", "8", "--json")
     assert code == 0
     report = json.loads(out)
-    assert [o["num_cached_tokens"] for o in report["outputs"]] == [0, 20]
+    assert [o["num_cached_tokens"] for o in report["outputs"]] == [0, 23]
     assert report["outputs"][0]["token_ids"] == report["outputs"][1]["token_ids"]
     assert all(o["ttft_s"] > 0 and o["tpot_s"] > 0 for o in report["outputs"])
     metrics = report["metrics"]
-    assert metrics["prefix_cache_hit_rate"] == 20 / 48 and metrics["num_preemptions"] == 0
+    assert metrics["prefix_cache_hit_rate"] == 23 / 48 and metrics["num_preemptions"] == 0
     assert metrics["prompt_tokens_per_s"] > 0 and metrics["generation_tokens_per_s"] > 0
     code, out, _ = run(capsys, "--max-num-batched-tokens", "8")
-    assert code == 0 and "(24 tokens, 20 cached)" in out
-    assert "prefix cache hit rate 41.7%" in out and "0 preemptions" in out
+    assert code == 0 and "(24 tokens, 23 cached)" in out
+    assert "prefix cache hit rate 47.9%" in out and "0 preemptions" in out
 
 
 def test_prefix_caching_can_be_turned_off(capsys):

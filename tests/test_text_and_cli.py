@@ -94,9 +94,9 @@ def test_mlafx_run_with_no_arguments_serves_the_embedded_default():
     assert report["dtype"] == "bfloat16"
     assert [o["prompt_len"] for o in report["outputs"]] == [8, 40, 300]
     assert all(len(o["token_ids"]) == 3 for o in report["outputs"])
-    # the 300-token prompt again (prefix cache: every full block short of the last token)
+    # the 300-token prompt again (prefix cache: every token but the last)
     # and into a second engine sharing a disk store (one whole 256-token chunk)
     reuse = report["prefix_reuse"]
     assert reuse["prompt_len"] == 300 and reuse["kv_connector"].startswith("disk:")
-    assert reuse["prefix_hit_cached_tokens"] == 288 and reuse["external_hit_tokens"] == 256
+    assert reuse["prefix_hit_cached_tokens"] == 299 and reuse["external_hit_tokens"] == 256
     assert reuse["same_tokens"]
