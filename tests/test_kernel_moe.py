@@ -18,14 +18,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlafx.kernels import moe_experts
+from mlafx.kernels import cpu_isa, moe_experts
 from mlafx.kernels.moe_reference import moe_experts_ref
 from mlafx.models.moe import routed_experts_reference
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-5}
-# Experts with more (token, choice) pairs than this take the GEMM path (csrc/moe.cpp).
+# Pairs per expert streamed (more go to ATen's GEMM): 8 for the fp32-FMA kernel, 16 on the
+# AMX tile unit (bf16, D and I multiples of 32).
 MAX_STREAMING_PAIRS = 8
+MAX_STREAMING_PAIRS_TILES = 16
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -62,8 +64,9 @@ def _case(T, D, inter, E, k, dtype, gen, *, repeat=False, layout="contiguous"):
 @settings(max_examples=60, deadline=None)
 @given(
     T=st.sampled_from([0, 1, 3, 8, 40]),
-    D=st.sampled_from([16, 64 + 13, 128]),
-    inter=st.sampled_from([8, 21, 48]),
+    # Widths that are multiples of 32 run bf16 on the tile unit where there is one.
+    D=st.sampled_from([16, 64, 64 + 13, 128]),
+    inter=st.sampled_from([8, 21, 32, 48]),
     E=st.sampled_from([1, 3, 8]),
     k=st.sampled_from([1, 2, 3]),
     dtype=st.sampled_from(FLOAT_DTYPES),
@@ -84,25 +87,28 @@ def test_matches_reference(T, D, inter, E, k, dtype, repeat, layout, seed):
         [1, 0, 0, 3],  # decode: experts no token picked are skipped
         [5, 6, 7, 8],  # tiles of 5..8 rows of x (bf16 x widened in the tile)
         [MAX_STREAMING_PAIRS, MAX_STREAMING_PAIRS + 1, 0],  # both paths at the boundary
+        [MAX_STREAMING_PAIRS_TILES, MAX_STREAMING_PAIRS_TILES + 1, 0],  # the tiles' boundary
         [70, 2],  # prefill-sized group next to a decode-sized one
     ],
 )
-def test_streaming_and_gemm_paths(dtype, counts):
+@pytest.mark.parametrize(("D", "inter"), [(64 + 13, 40), (64, 96 + 8)])  # (64, 104): tiles
+def test_streaming_and_gemm_paths(dtype, counts, D, inter):
     gen = torch.Generator().manual_seed(sum(counts))
     ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
     ids = ids[torch.randperm(len(ids), generator=gen)].view(-1, 1)
-    x, _, weights, w13, w2 = _case(len(ids), 64 + 13, 40, len(counts), 1, dtype, gen)
+    x, _, weights, w13, w2 = _case(len(ids), D, inter, len(counts), 1, dtype, gen)
     _assert_close(
         moe_experts(x, ids, weights, w13, w2), moe_experts_ref(x, ids, weights, w13, w2), dtype
     )
 
 
 @pytest.mark.parametrize("T", [1, 8, 64])
-def test_matches_model_reference_bf16(T):
+@pytest.mark.parametrize("inter", [176, 192])  # 192: a multiple of 32 (the tile unit)
+def test_matches_model_reference_bf16(T, inter):
     # The model's eager MoE block (what the compiler replaces) at the embedded default's
     # widths, scaled down in I; both round in bf16, so the tolerance is bf16's.
     gen = torch.Generator().manual_seed(T)
-    args = _case(T, 2048, 176, 4, 2, torch.bfloat16, gen)
+    args = _case(T, 2048, inter, 4, 2, torch.bfloat16, gen)
     _assert_close(moe_experts(*args), routed_experts_reference(*args), torch.bfloat16)
 
 
@@ -224,21 +230,22 @@ def test_invalid_inputs_raise(change, error, match):
 
 # ---- the portable path --------------------------------------------------------------------
 
-_PORTABLE_PROBE = """
+_PATH_PROBE = """
 import sys
 import torch
 from mlafx.kernels import cpu_isa, moe_experts
 from mlafx.kernels.moe_reference import moe_experts_ref
 
-assert cpu_isa() == "portable", cpu_isa()
+assert cpu_isa() == sys.argv[1], cpu_isa()
 gen = torch.Generator().manual_seed(0)
 for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 3e-3), (torch.float32, 2e-5)):
-    for T, k in ((3, 2), (40, 1)):  # decode-sized groups, then GEMM-sized ones
-        x = torch.randn(T, 64 + 13, generator=gen).to(dtype)
+    for T, k, D, inter in ((3, 2, 64 + 13, 21), (40, 1, 64 + 13, 21), (12, 2, 64, 32)):
+        # decode-sized groups, then GEMM-sized ones, then widths the tile unit takes
+        x = torch.randn(T, D, generator=gen).to(dtype)
         ids = torch.randint(0, 3, (T, k), generator=gen)
         weights = torch.rand(T, k, generator=gen)
-        w13 = (torch.randn(3, 42, 64 + 13, generator=gen) / 9).to(dtype)
-        w2 = (torch.randn(3, 64 + 13, 21, generator=gen) / 5).to(dtype)
+        w13 = (torch.randn(3, 2 * inter, D, generator=gen) / 9).to(dtype)
+        w2 = (torch.randn(3, D, inter, generator=gen) / 5).to(dtype)
         out = moe_experts(x, ids, weights, w13, w2).double()
         ref = moe_experts_ref(x, ids, weights, w13, w2).double()
         scale = ref.abs().max().item()
@@ -247,10 +254,19 @@ print("ok")
 """
 
 
-def test_portable_path_matches_reference():
-    env = {**os.environ, "MLAFX_DISABLE_AVX512": "1"}
+@pytest.mark.parametrize(
+    ("isa", "env_overrides"),
+    [
+        ("portable", {"MLAFX_DISABLE_AVX512": "1"}),
+        ("avx512_bf16", {"MLAFX_DISABLE_AMX": "1"}),  # the FMA kernel of CPUs without AMX
+    ],
+)
+def test_other_paths_match_reference(isa, env_overrides):
+    if isa != "portable" and cpu_isa() != "avx512_amx":
+        pytest.skip("this run already uses that path (or the CPU lacks it)")
+    env = {**os.environ, **env_overrides}
     result = subprocess.run(
-        [sys.executable, "-c", _PORTABLE_PROBE],
+        [sys.executable, "-c", _PATH_PROBE, isa],
         env=env,
         capture_output=True,
         text=True,

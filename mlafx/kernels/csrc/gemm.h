@@ -57,6 +57,14 @@ void packed_dot_bf16(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* 
 // The same on the AMX tile unit (gemm_amx_avx512.cpp): call only when mlafx::use_amx_bf16()
 // and packed_dot_amx_supports(K) (K even).
 bool packed_dot_amx_supports(int64_t K);
+// rows_dot on the AMX tile unit, for up to 16 rows of x packed once per call as the tile
+// unit's B operand: xp = pack_rows_for_tiles(x) holds K/2 rows of 16 column pairs (x's
+// columns 2p, 2p+1 for rows 0..15, zero past M): K/2 * 32 elements. Call only when
+// mlafx::use_amx_bf16() and rows_dot_amx_supports(M, K) (M <= 16, K a multiple of 32).
+bool rows_dot_amx_supports(int64_t M, int64_t K);
+void pack_rows_for_tiles(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp);
+void rows_dot_bf16_amx(const uint16_t* xp, int64_t M, const uint16_t* w, int64_t ldw, int64_t K,
+                       int64_t n_begin, int64_t n_end, float* out, int64_t ldo);
 void packed_dot_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int64_t K,
                          int64_t block_begin, int64_t block_end, float* out, int64_t ldo);
 

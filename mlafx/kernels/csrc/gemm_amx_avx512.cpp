@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "gemm.h"
 
@@ -97,7 +98,118 @@ void rows_against_blocks(const uint16_t* x, int64_t ldx, const uint16_t* wp, int
   }
 }
 
+// ---- row-major weights (rows_dot): C^T = W x^T -------------------------------------------------
+//
+// The weight rows are A tiles as they lie (16 rows x 32 columns), x is the B operand, packed
+// once per call by pack_rows_for_tiles; the accumulator is C^T [16 weight rows x 16 rows of x],
+// transposed on its way out. Tiles: 0..3 accumulators of four weight-row tiles, 4 weight
+// chunks, 5 the x chunk, 6/7 accumulator and weight chunk of a last, partial row tile.
+
+void configure_rows_dot(int64_t tail_rows) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  if (tail_rows > 0) {
+    cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(tail_rows);
+    cfg.colsb[6] = cfg.colsb[7] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// C^T tile [16 weight rows][16] in `tile` -> out[m * ldo + n] for n < rows, m < M.
+inline void store_transposed(const float* tile, int64_t rows, int64_t M, float* out,
+                             int64_t ldo) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < rows; ++n) {
+      out[m * ldo + n] = tile[n * kTileRows + m];
+    }
+  }
+}
+
 }  // namespace
+
+void pack_rows_for_tiles(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp) {
+  const int64_t K2 = K / 2;
+  auto* dst = reinterpret_cast<uint32_t*>(xp);
+  for (int64_t k2 = 0; k2 < K2; ++k2) {
+    for (int64_t m = 0; m < kTileRows; ++m) {
+      uint32_t pair = 0;
+      if (m < M) {
+        std::memcpy(&pair, x + m * ldx + 2 * k2, sizeof(pair));
+      }
+      dst[k2 * kTileRows + m] = pair;
+    }
+  }
+}
+
+bool rows_dot_amx_supports(int64_t M, int64_t K) {
+  return M >= 1 && M <= kTileRows && K >= kChunk && K % kChunk == 0;
+}
+
+void rows_dot_bf16_amx(const uint16_t* xp, int64_t M, const uint16_t* w, int64_t ldw, int64_t K,
+                       int64_t n_begin, int64_t n_end, float* out, int64_t ldo) {
+  if (n_end <= n_begin) {
+    return;
+  }
+  const int64_t chunks = K / kChunk;
+  const int64_t wstride = 2 * ldw;
+  const int64_t full = (n_end - n_begin) / kTileRows * kTileRows;
+  const int64_t tail = n_end - n_begin - full;
+  alignas(64) float tile[4][kTileRows * kTileRows];
+  configure_rows_dot(tail);
+  int64_t n = n_begin;
+  for (; n + 4 * kTileRows <= n_begin + full; n += 4 * kTileRows) {
+    const uint16_t* w0 = w + n * ldw;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; ++c) {
+      _tile_loadd(5, xp + c * kTileElems, 64);
+      _tile_loadd(4, w0 + c * kChunk, wstride);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(4, w0 + kTileRows * ldw + c * kChunk, wstride);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(4, w0 + 2 * kTileRows * ldw + c * kChunk, wstride);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(4, w0 + 3 * kTileRows * ldw + c * kChunk, wstride);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, tile[0], 64);
+    _tile_stored(1, tile[1], 64);
+    _tile_stored(2, tile[2], 64);
+    _tile_stored(3, tile[3], 64);
+    for (int t = 0; t < 4; ++t) {
+      store_transposed(tile[t], kTileRows, M, out + (n - n_begin) + t * kTileRows, ldo);
+    }
+  }
+  for (; n < n_begin + full; n += kTileRows) {
+    const uint16_t* w0 = w + n * ldw;
+    _tile_zero(0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      _tile_loadd(5, xp + c * kTileElems, 64);
+      _tile_loadd(4, w0 + c * kChunk, wstride);
+      _tile_dpbf16ps(0, 4, 5);
+    }
+    _tile_stored(0, tile[0], 64);
+    store_transposed(tile[0], kTileRows, M, out + (n - n_begin), ldo);
+  }
+  if (tail > 0) {
+    const uint16_t* w0 = w + n * ldw;
+    _tile_zero(6);
+    for (int64_t c = 0; c < chunks; ++c) {
+      _tile_loadd(5, xp + c * kTileElems, 64);
+      _tile_loadd(7, w0 + c * kChunk, wstride);
+      _tile_dpbf16ps(6, 7, 5);
+    }
+    _tile_stored(6, tile[0], 64);
+    store_transposed(tile[0], tail, M, out + (n - n_begin), ldo);
+  }
+  _tile_release();
+}
 
 bool packed_dot_amx_supports(int64_t K) { return K >= 2 && K % 2 == 0; }
 

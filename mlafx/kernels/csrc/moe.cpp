@@ -11,7 +11,7 @@
 //
 // The (token, choice) pairs are grouped by expert, so every expert some token picked has its
 // weights read once per call, and experts no token picked are not read at all. Per expert:
-// - few pairs (<= kMaxStreamingPairs, decode): bandwidth-bound. All such experts go through
+// - few pairs (<= 8; 16 on the tile unit), decode: bandwidth-bound. All such experts go through
 //   two parallel passes that split the weight rows across threads (gate/up rows i in [i0, i1)
 //   of every such expert, then rows d in [d0, d1) of w2): each thread streams its own share
 //   of the weights once with the rows_dot kernel (gemm.h), so both cores pull bandwidth. In
@@ -44,15 +44,24 @@
 #include <vector>
 
 #include "gemm.h"
+#include "cpu_features.h"
 #include "gemm_aten.h"
 
 namespace mlafx {
 namespace {
 
 // Experts with at most this many (token, choice) pairs stream their weights (rows_dot);
-// more go to ATen's GEMM. Measured with cold weights (D=2048, I=1408, one thread): streaming
-// is 1.8x faster at 1 pair, 1.4x at 4, even at 8, and 0.85x at 16.
-constexpr int64_t kMaxStreamingPairs = 8;
+// more go to ATen's GEMM. Measured with cold weights (D=2048, I=1408, one thread): the fp32
+// FMA kernel is 1.8x faster at 1 pair, 1.4x at 4, even at 8, and 0.85x at 16. On the tile
+// unit (bf16 with AMX) one tile of x holds 16 rows and the product stays bandwidth-bound.
+constexpr int64_t kMaxStreamingPairsFma = 8;
+constexpr int64_t kMaxStreamingPairs = 16;  // the most either kernel streams
+
+bool streams_on_tiles(at::ScalarType dtype, int64_t D, int64_t I) {
+  return dtype == at::kBFloat16 && use_amx_bf16() &&
+         avx512::rows_dot_amx_supports(kMaxStreamingPairs, D) &&
+         avx512::rows_dot_amx_supports(kMaxStreamingPairs, I);
+}
 // Weight rows per rows_dot call inside a thread's share: the fp32 results ([pairs, 64])
 // stay in L1 between the kernel and the epilogue that consumes them.
 constexpr int64_t kRowsPerStep = 64;
@@ -74,7 +83,8 @@ struct Routing {
 };
 
 // Counting sort of the pairs by expert; ids were range-checked by the caller.
-Routing group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t num_experts) {
+Routing group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t num_experts,
+                        int64_t max_streaming_pairs) {
   std::vector<int64_t> offsets(static_cast<size_t>(num_experts) + 1, 0);
   for (int64_t p = 0; p < num_pairs; ++p) {
     ++offsets[ids[p] + 1];
@@ -93,7 +103,7 @@ Routing group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t num_exper
     if (group.size() == 0) {
       continue;  // never read
     }
-    (group.size() <= kMaxStreamingPairs ? routing.streaming : routing.gemm).push_back(group);
+    (group.size() <= max_streaming_pairs ? routing.streaming : routing.gemm).push_back(group);
   }
   return routing;
 }
@@ -148,6 +158,33 @@ void run_streaming(const Problem& pb, const Routing& routing, const at::Tensor& 
   const int64_t w13_expert = w13.stride(0), w13_row = w13.stride(1);
   const int64_t w2_expert = w2.stride(0), w2_row = w2.stride(1);
   const int64_t num_groups = static_cast<int64_t>(routing.streaming.size());
+  // On the tile unit each group's rows of x (then of h) are packed once as its B operand.
+  const bool tiles = streams_on_tiles(x.scalar_type(), D, I);
+  const int64_t packed_elems = std::max(D, I) * 16;  // K/2 pairs x 16 rows x 2
+  std::vector<uint16_t> packed(tiles ? static_cast<size_t>(num_groups * packed_elems) : 0);
+  auto packed_rows = [&](int64_t g) { return packed.data() + g * packed_elems; };
+  auto pack_groups = [&](const scalar_t* rows, int64_t width) {
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const auto* first = reinterpret_cast<const uint16_t*>(rows + row_of_group[g] * width);
+      avx512::pack_rows_for_tiles(first, width, routing.streaming[g].size(), width,
+                                  packed_rows(g));
+    }
+  };
+  // out[j, n - n0] = rows j of group g (x or h, `width` wide) . w[n] for n in [n0, n1)
+  auto dot = [&](int64_t g, const scalar_t* rows, int64_t width, const scalar_t* w, int64_t ldw,
+                 int64_t n0, int64_t n1, float* out) {
+    const int64_t M = routing.streaming[g].size();
+    if (tiles) {
+      avx512::rows_dot_bf16_amx(packed_rows(g), M, reinterpret_cast<const uint16_t*>(w), ldw,
+                                width, n0, n1, out, kRowsPerStep);
+    } else {
+      rows_dot(kind, rows + row_of_group[g] * width, width, M, w, ldw, width, n0, n1, out,
+               kRowsPerStep);
+    }
+  };
+  if (tiles) {
+    pack_groups(xs_data, D);
+  }
 
   // Pass 1: h = silu(x @ gate^T) * (x @ up^T), threads split the rows i of gate and up.
   at::parallel_for(0, I, kRowsPerStep / 2, [&](int64_t begin, int64_t end) {
@@ -157,11 +194,9 @@ void run_streaming(const Problem& pb, const Routing& routing, const at::Tensor& 
       const int64_t i1 = std::min(end, i0 + kRowsPerStep);
       for (int64_t g = 0; g < num_groups; ++g) {
         const ExpertGroup& group = routing.streaming[g];
-        const scalar_t* x_rows = xs_data + row_of_group[g] * D;
         const scalar_t* w = w13_data + group.expert * w13_expert;
-        rows_dot(kind, x_rows, D, group.size(), w, w13_row, D, i0, i1, gate.data(), kRowsPerStep);
-        rows_dot(kind, x_rows, D, group.size(), w, w13_row, D, I + i0, I + i1, up.data(),
-                 kRowsPerStep);
+        dot(g, xs_data, D, w, w13_row, i0, i1, gate.data());
+        dot(g, xs_data, D, w, w13_row, I + i0, I + i1, up.data());
         for (int64_t j = 0; j < group.size(); ++j) {
           scalar_t* dst = h_data + (row_of_group[g] + j) * I;
           for (int64_t i = i0; i < i1; ++i) {
@@ -173,6 +208,10 @@ void run_streaming(const Problem& pb, const Routing& routing, const at::Tensor& 
     }
   });
 
+  if (tiles) {
+    pack_groups(h_data, I);
+  }
+
   // Pass 2: sum[t] += weight * h @ w2^T, threads split the rows d of w2 (= output columns).
   at::parallel_for(0, D, kRowsPerStep / 2, [&](int64_t begin, int64_t end) {
     std::vector<float> y(static_cast<size_t>(kMaxStreamingPairs * kRowsPerStep));
@@ -180,8 +219,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const at::Tensor& 
       const int64_t d1 = std::min(end, d0 + kRowsPerStep);
       for (int64_t g = 0; g < num_groups; ++g) {
         const ExpertGroup& group = routing.streaming[g];
-        rows_dot(kind, h_data + row_of_group[g] * I, I, group.size(),
-                 w2_data + group.expert * w2_expert, w2_row, I, d0, d1, y.data(), kRowsPerStep);
+        dot(g, h_data, I, w2_data + group.expert * w2_expert, w2_row, d0, d1, y.data());
         add_weighted_rows(pb, routing, group, y.data(), kRowsPerStep, d0, d1);
       }
     }
@@ -271,7 +309,9 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
     return sum.to(x.scalar_type());
   }
   const at::Tensor weights = topk_weights.contiguous();
-  const Routing routing = group_by_expert(id_data, T * k, E);
+  const int64_t max_streaming_pairs =
+      streams_on_tiles(x.scalar_type(), D, I) ? kMaxStreamingPairs : kMaxStreamingPairsFma;
+  const Routing routing = group_by_expert(id_data, T * k, E, max_streaming_pairs);
   const Problem pb{k, D, I, weights.const_data_ptr<float>(), sum.data_ptr<float>()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_experts", [&] {
     if (!routing.streaming.empty()) {
