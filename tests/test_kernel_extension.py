@@ -63,10 +63,14 @@ def test_parallel_for_uses_torch_threads():
     assert extension.parallel_num_threads() == torch.get_num_threads()
 
 
+# Mnemonic prefixes of VEX/EVEX (AVX, AVX-512) and AMX tile instructions.
+_GUARDED = ("v", "tile", "tdp", "ldtilecfg", "sttilecfg")
+
+
 def test_no_avx512_code_outside_avx512_sources():
     """Only code from *_avx512.cpp (namespace mlafx::avx512, ATen's at::vec::AVX512) may use
-    VEX/EVEX instructions: anything else runs, or may run, before the CPU check, and an
-    inline function the linker picked from an AVX-512 object would crash older CPUs."""
+    VEX/EVEX or AMX tile instructions: anything else runs, or may run, before the CPU check,
+    and an inline function the linker picked from an AVX-512 object would crash older CPUs."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump (binutils) not installed")
@@ -88,6 +92,6 @@ def test_no_avx512_code_outside_avx512_sources():
             function = header.group(1)
             continue
         fields = line.split("\t")
-        if len(fields) >= 2 and fields[1].startswith("v") and not allowed.match(function):
+        if len(fields) >= 2 and fields[1].startswith(_GUARDED) and not allowed.match(function):
             offenders.add(function)
     assert not offenders, f"vector-extension code outside the AVX-512 sources: {offenders}"
