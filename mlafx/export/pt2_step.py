@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from mlafx.export.compiled_step import LoweredStep
-from mlafx.passes.derived_constants import with_derived_constants
 from mlafx.graph.capture import step_dynamic_shapes
+from mlafx.passes.derived_constants import with_derived_constants
 
 PT2_FILE = "step.pt2"
 
