@@ -51,6 +51,13 @@ class Roofline:
         return asdict(self)
 
 
+def matmul_gflops(dtype: torch.dtype, *, size: int = 2048, repeats: int = 3) -> float:
+    """The square ``torch.mm`` rate right now (a median of a few calls, ~0.1 s in bf16): to
+    judge a measurement against the rate of the same moment."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    return 2 * size**3 / median_seconds(lambda: torch.mm(a, b), repeats=repeats, warmup=1) / 1e9
+
+
 def measure(*, megabytes: int = 512, matmul_size: int = 2048, quick: bool = False) -> Roofline:
     if quick:
         megabytes, matmul_size = 64, 512

@@ -41,6 +41,8 @@ def print_phase(rows: list[Row], phase: str) -> None:
         f"{extra:>9} {'vs eager':>9}"
     )
     print(f"\n{phase}")
+    if phase == "prefill":
+        print("(of matmul: of the bf16 matmul rate measured just before and after each row)")
     print(header)
     print("-" * len(header))
     for row in (r for r in rows if r["phase"] == phase):
