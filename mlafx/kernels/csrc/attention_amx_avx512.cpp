@@ -33,6 +33,7 @@
 #include <cstring>
 #include <limits>
 
+#include "amx_tiles.h"
 #include "attention.h"
 #include "attention_avx512_math.h"
 
@@ -57,23 +58,13 @@ constexpr float kMaxGrowth = 8.f;
 
 static_assert(kBlockKeys % kTileRows == 0 && kMaxRows % kTileRows == 0);
 
-// The tile unit's configuration block (palette 1): 8 tiles of 16 rows x 64 bytes.
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
+// 8 tiles of 16 rows x 64 bytes.
 void configure_tiles() {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
+  TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = kTileRows;
+    cfg.set(t, kTileRows, 64);
   }
-  _tile_loadconfig(&cfg);
+  cfg.load();
 }
 
 // Tile loads are asm statements that do not tell the compiler they read memory: order them
@@ -150,17 +141,6 @@ struct Header {
   int64_t gp;    // G rounded up to 16
   int64_t rt;    // row tiles, gp / 16
 };
-
-template <typename T>
-inline T* at_offset(void* ws, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
-}
-
-inline uint32_t load_pair(const uint16_t* p) {
-  uint32_t x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
 
 // Where the tile loads of one key sub-tile read: segment a, segment b and the value rows,
 // each as a base address and a row stride in bytes.

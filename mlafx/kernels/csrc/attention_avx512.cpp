@@ -67,17 +67,6 @@ struct Header {
   int64_t gp;    // G rounded up to 16 (lanes in use)
 };
 
-template <typename T>
-inline T* at_offset(void* ws, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
-}
-
-inline uint32_t load_pair(const uint16_t* p) {
-  uint32_t x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t x = static_cast<uint32_t>(bits) << 16;
   float f;

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #if !defined(__AVX512F__)
 #error "attention_avx512_math.h is for sources compiled with the AVX-512 flags from setup.py"
@@ -19,6 +20,19 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Workspace carving: 64-byte (cache line, zmm) aligned offsets; widths padded to 16 lanes.
 inline size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
 inline int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// A typed pointer into a carved workspace.
+template <typename T>
+inline T* at_offset(void* ws, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
+}
+
+// Two adjacent bf16 values as one 32-bit word (a "pair" of the dot-product layouts).
+inline uint32_t load_pair(const uint16_t* p) {
+  uint32_t x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
 
 // 2^x for x <= 0 (and NaN): round-to-nearest split, degree-6 Taylor of 2^f on [-0.5, 0.5]
 // (relative error ~1e-7), scalef for the exponent. -inf (and anything below -150) gives 0;

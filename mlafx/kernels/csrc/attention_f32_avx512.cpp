@@ -55,11 +55,6 @@ struct Header {
   int64_t rows, gp;
 };
 
-template <typename T>
-inline T* at_offset(void* ws, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
-}
-
 // Element types: fp32 (float) or fp16 (uint16_t bits).
 template <typename E>
 inline __m512 load16(const E* p, __mmask16 mask) {

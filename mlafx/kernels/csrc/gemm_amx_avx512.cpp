@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "gemm.h"
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
@@ -28,38 +29,25 @@ constexpr int64_t kTileRows = 16;
 constexpr int64_t kChunk = 32;                       // columns of x per tile
 constexpr int64_t kTileElems = kTileRows * kChunk;   // bf16 elements in one B tile
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Tiles: 0/1 accumulators of row tiles 0/1 (rows 0..15, 16..31 of x); 2/3 their full x chunks;
 // 4 a full weight chunk; 5/6 the x tails and 7 the weight tail (the last K mod 32 columns).
 void configure(int64_t rows0, int64_t rows1, int64_t tail_pairs) {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  auto set = [&](int t, int64_t rows, int64_t colsb) {
-    cfg.rows[t] = static_cast<uint8_t>(rows);
-    cfg.colsb[t] = static_cast<uint16_t>(colsb);
-  };
-  set(0, rows0, 64);
-  set(2, rows0, 64);
-  set(4, kTileRows, 64);
+  TileConfig cfg;
+  cfg.set(0, rows0, 64);
+  cfg.set(2, rows0, 64);
+  cfg.set(4, kTileRows, 64);
   if (rows1 > 0) {
-    set(1, rows1, 64);
-    set(3, rows1, 64);
+    cfg.set(1, rows1, 64);
+    cfg.set(3, rows1, 64);
   }
   if (tail_pairs > 0) {
-    set(5, rows0, 4 * tail_pairs);
-    set(7, tail_pairs, 64);
+    cfg.set(5, rows0, 4 * tail_pairs);
+    cfg.set(7, tail_pairs, 64);
     if (rows1 > 0) {
-      set(6, rows1, 4 * tail_pairs);
+      cfg.set(6, rows1, 4 * tail_pairs);
     }
   }
-  _tile_loadconfig(&cfg);
+  cfg.load();
 }
 
 // Up to 32 rows of x against blocks [block_begin, block_end).
@@ -106,17 +94,15 @@ void rows_against_blocks(const uint16_t* x, int64_t ldx, const uint16_t* wp, int
 // chunks, 5 the x chunk, 6/7 accumulator and weight chunk of a last, partial row tile.
 
 void configure_rows_dot(int64_t tail_rows) {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
+  TileConfig cfg;
   for (int t = 0; t < 6; ++t) {
-    cfg.rows[t] = kTileRows;
-    cfg.colsb[t] = 64;
+    cfg.set(t, kTileRows, 64);
   }
   if (tail_rows > 0) {
-    cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(tail_rows);
-    cfg.colsb[6] = cfg.colsb[7] = 64;
+    cfg.set(6, tail_rows, 64);
+    cfg.set(7, tail_rows, 64);
   }
-  _tile_loadconfig(&cfg);
+  cfg.load();
 }
 
 // C^T tile [16 weight rows][16] in `tile` -> out[m * ldo + n] for n < rows, m < M.
