@@ -81,6 +81,8 @@ struct PrefetchList {
   const char* start[kMaxSpans];
   int64_t lines[kMaxSpans];
 
+  void clear() { count = span = line = total = 0; }
+
   void add(const void* row, int64_t bytes) {
     const auto first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
     const auto last = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(bytes);
@@ -457,7 +459,7 @@ void begin(void* ws, const CoreDims& d, int64_t num_rows, const void* const* q_r
   }
   std::memset(at_offset<float>(ws, L.o), 0, sizeof(float) * gp * L.dv);
   PrefetchList* pf = at_offset<PrefetchList>(ws, L.pf);
-  pf->count = pf->span = pf->line = pf->total = 0;
+  pf->clear();
   float* m = at_offset<float>(ws, L.m);
   float* l = at_offset<float>(ws, L.l);
   for (int64_t g = 0; g < gp; ++g) {
@@ -488,7 +490,7 @@ void block(void* ws, const CoreDims& d, int64_t j0, int64_t n, const void* const
     default: qk_tiles<4>(L, h, qp, s, src, pf); break;
   }
   pf->issue(pf->total);  // whatever the chunks left
-  pf->count = pf->total = 0;
+  pf->clear();
   if (softmax_block(ws, L, h, j0, n, d.scale * kLog2e)) {
     rescale_output(ws, L, h);
   }
@@ -499,7 +501,7 @@ void prefetch(void* ws, const CoreDims& d, int64_t n, const void* const* ka,
               const void* const* kb, const void* const* v) {
   const Layout L(d);
   PrefetchList* pf = at_offset<PrefetchList>(ws, L.pf);
-  pf->count = pf->span = pf->line = pf->total = 0;
+  pf->clear();
   for (int64_t k = 0; k < n; ++k) {
     pf->add(ka[k], 2 * d.wa);
     if (d.wb > 0) {

@@ -132,7 +132,7 @@ void add_weighted_rows(const Problem& pb, const Routing& routing, const ExpertGr
 }
 
 template <typename scalar_t>
-void run_streaming(const Problem& pb, const Routing& routing, const at::Tensor& x,
+void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const at::Tensor& x,
                    const at::Tensor& w13, const at::Tensor& w2) {
   const FloatKind kind = float_kind(x.scalar_type());
   const int64_t D = pb.hidden;
@@ -159,7 +159,6 @@ void run_streaming(const Problem& pb, const Routing& routing, const at::Tensor& 
   const int64_t w2_expert = w2.stride(0), w2_row = w2.stride(1);
   const int64_t num_groups = static_cast<int64_t>(routing.streaming.size());
   // On the tile unit each group's rows of x (then of h) are packed once as its B operand.
-  const bool tiles = streams_on_tiles(x.scalar_type(), D, I);
   const int64_t packed_elems = std::max(D, I) * 16;  // K/2 pairs x 16 rows x 2
   std::vector<uint16_t> packed(tiles ? static_cast<size_t>(num_groups * packed_elems) : 0);
   auto packed_rows = [&](int64_t g) { return packed.data() + g * packed_elems; };
@@ -309,13 +308,13 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
     return sum.to(x.scalar_type());
   }
   const at::Tensor weights = topk_weights.contiguous();
-  const int64_t max_streaming_pairs =
-      streams_on_tiles(x.scalar_type(), D, I) ? kMaxStreamingPairs : kMaxStreamingPairsFma;
+  const bool tiles = streams_on_tiles(x.scalar_type(), D, I);
+  const int64_t max_streaming_pairs = tiles ? kMaxStreamingPairs : kMaxStreamingPairsFma;
   const Routing routing = group_by_expert(id_data, T * k, E, max_streaming_pairs);
   const Problem pb{k, D, I, weights.const_data_ptr<float>(), sum.data_ptr<float>()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_experts", [&] {
     if (!routing.streaming.empty()) {
-      run_streaming<scalar_t>(pb, routing, x, w13, w2);
+      run_streaming<scalar_t>(pb, routing, tiles, x, w13, w2);
     }
     // One expert at a time: ATen's GEMM runs on all threads itself (regions never nest).
     for (const ExpertGroup& group : routing.gemm) {
