@@ -51,11 +51,14 @@ class Roofline:
         return asdict(self)
 
 
-def matmul_gflops(dtype: torch.dtype, *, size: int = 2048, repeats: int = 3) -> float:
+def matmul_gflops(
+    dtype: torch.dtype, *, size: int = 2048, repeats: int = 3, warmup: int = 1
+) -> float:
     """The square ``torch.mm`` rate right now (a median of a few calls, ~0.1 s in bf16): to
     judge a measurement against the rate of the same moment."""
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    return 2 * size**3 / median_seconds(lambda: torch.mm(a, b), repeats=repeats, warmup=1) / 1e9
+    seconds = median_seconds(lambda: torch.mm(a, b), repeats=repeats, warmup=warmup)
+    return 2 * size**3 / seconds / 1e9
 
 
 def measure(*, megabytes: int = 512, matmul_size: int = 2048, quick: bool = False) -> Roofline:
@@ -64,18 +67,10 @@ def measure(*, megabytes: int = 512, matmul_size: int = 2048, quick: bool = Fals
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     y = torch.empty_like(x)
     rounds: dict[torch.dtype, list[float]] = {torch.bfloat16: [], torch.float32: []}
-    operands = {
-        dtype: (
-            torch.randn(matmul_size, matmul_size).to(dtype),
-            torch.randn(matmul_size, matmul_size).to(dtype),
-        )
-        for dtype in rounds
-    }
 
     def matmul_round() -> None:
-        for dtype, (a, b) in operands.items():
-            seconds = median_seconds(lambda a=a, b=b: torch.mm(a, b), repeats=5)
-            rounds[dtype].append(2 * matmul_size**3 / seconds / 1e9)
+        for dtype, rates in rounds.items():
+            rates.append(matmul_gflops(dtype, size=matmul_size, repeats=5, warmup=2))
 
     matmul_round()
     read = x.numel() * 4 / median_seconds(lambda: x.sum()) / 1e9

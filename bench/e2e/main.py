@@ -76,12 +76,12 @@ def measure_grid(
             progress(f"{what} ...")
             try:
                 run = getattr(engine, phase)(batch, length)
-                if phase == "prefill":  # the matmul rate moves over seconds: bracket the timing
-                    rates = [roofline_mod.matmul_gflops(torch.bfloat16)]
+                # the matmul rate moves over seconds: prefill timings are bracketed by it
+                before = roofline_mod.matmul_gflops(torch.bfloat16) if phase == "prefill" else 0
                 timing = time_calls(run, repeats=repeats)
                 if phase == "prefill":
-                    rates.append(roofline_mod.matmul_gflops(torch.bfloat16))
-                    row["matmul_gflops_around"] = sum(rates) / len(rates)
+                    after = roofline_mod.matmul_gflops(torch.bfloat16)
+                    row["matmul_gflops_around"] = (before + after) / 2
             except Exception as e:  # noqa: BLE001 -- reported, not fatal
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
                 progress(f"{what}: failed ({row['error'][:200]})")
