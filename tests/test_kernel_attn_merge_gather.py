@@ -30,7 +30,8 @@ def _lse(shape, gen, empty_fraction: float) -> torch.Tensor:
 @settings(max_examples=60, deadline=None)
 @given(
     num_tokens=st.sampled_from([0, 1, 17, 40]),
-    num_heads=st.sampled_from([1, 3, 16]),
+    # 130: more heads than the AVX-512 kernel's 64-head block (V3 has 128)
+    num_heads=st.sampled_from([1, 3, 16, 130]),
     head_dim=st.sampled_from([1, 16, 128, 45]),
     dtype=st.sampled_from(FLOAT_DTYPES),
     empty_fraction=st.sampled_from([0.0, 0.3, 1.0]),

@@ -62,6 +62,12 @@ inline void store16(void* p, __m512 x, __mmask16 mask) {
 
 enum Mode : int { kWeighted = 0, kPrefixOnly = 1, kSuffixOnly = 2, kNone = 3 };
 
+// Weights of 16 tokens x up to kHeadBlock heads are computed first (vectorised over the tokens
+// of one head, where the LSEs are contiguous), then the rows are merged in memory order
+// (token-major, then head): walking one head's rows across tokens would stride by a whole
+// token (H * D elements) and defeat the hardware prefetcher.
+constexpr int64_t kHeadBlock = 64;
+
 template <Elem E>
 void merge_typed(const MergeArgs& a, int64_t t0, int64_t t1) {
   using elem_t = std::conditional_t<E == Elem::kFloat32, float, uint16_t>;
@@ -73,63 +79,72 @@ void merge_typed(const MergeArgs& a, int64_t t0, int64_t t1) {
   const __mmask16 tail = static_cast<__mmask16>((1u << (d % 16)) - 1u);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 log2e = _mm512_set1_ps(kLog2e);
-  alignas(64) float lp[16], ls[16], wp[16], ws[16];
-  alignas(64) int32_t mode[16];
+  alignas(64) float lp[16], ls[16];
+  alignas(64) float wp[kHeadBlock][16], ws[kHeadBlock][16];
+  alignas(64) int32_t mode[kHeadBlock][16];
   for (int64_t c0 = t0; c0 < t1; c0 += 16) {
     const int64_t n = t1 - c0 < 16 ? t1 - c0 : 16;
     const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1u);
-    for (int64_t h = 0; h < a.num_heads; ++h) {
-      for (int64_t i = 0; i < 16; ++i) {
-        const int64_t t = c0 + (i < n ? i : 0);
-        lp[i] = a.prefix_lse[h * a.prefix_lse_sh + t * a.prefix_lse_st];
-        ls[i] = a.suffix_lse[h * a.suffix_lse_sh + t * a.suffix_lse_st];
+    for (int64_t h0 = 0; h0 < a.num_heads; h0 += kHeadBlock) {
+      const int64_t hn = a.num_heads - h0 < kHeadBlock ? a.num_heads - h0 : kHeadBlock;
+      for (int64_t hb = 0; hb < hn; ++hb) {
+        const int64_t h = h0 + hb;
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t t = c0 + (i < n ? i : 0);
+          lp[i] = a.prefix_lse[h * a.prefix_lse_sh + t * a.prefix_lse_st];
+          ls[i] = a.suffix_lse[h * a.suffix_lse_sh + t * a.suffix_lse_st];
+        }
+        const __m512 p = _mm512_load_ps(lp), s = _mm512_load_ps(ls);
+        const __mmask16 p_empty = _mm512_fpclass_ps_mask(p, 0x18);  // +inf | -inf
+        const __mmask16 s_empty = _mm512_fpclass_ps_mask(s, 0x18);
+        const __m512 m = _mm512_max_ps(p, s);  // s NaN -> NaN; p NaN -> ep NaN below
+        const __m512 ep = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(p, m), log2e));
+        const __m512 es = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(s, m), log2e));
+        const __m512 sum = _mm512_add_ps(ep, es);
+        _mm512_store_ps(wp[hb], _mm512_div_ps(ep, sum));
+        _mm512_store_ps(ws[hb], _mm512_div_ps(es, sum));
+        __m512 lse = _mm512_add_ps(m, log_1_to_2(sum));
+        lse = _mm512_mask_blend_ps(s_empty, lse, p);
+        lse = _mm512_mask_blend_ps(p_empty, lse, s);
+        lse = _mm512_mask_blend_ps(p_empty & s_empty, lse, neg_inf);
+        __m512i md = _mm512_setzero_si512();
+        md = _mm512_mask_blend_epi32(s_empty, md, _mm512_set1_epi32(kPrefixOnly));
+        md = _mm512_mask_blend_epi32(p_empty, md, _mm512_set1_epi32(kSuffixOnly));
+        md = _mm512_mask_blend_epi32(p_empty & s_empty, md, _mm512_set1_epi32(kNone));
+        _mm512_store_si512(mode[hb], md);
+        _mm512_mask_storeu_ps(a.out_lse + h * a.num_tokens + c0, lanes, lse);
       }
-      const __m512 p = _mm512_load_ps(lp), s = _mm512_load_ps(ls);
-      const __mmask16 p_empty = _mm512_fpclass_ps_mask(p, 0x18);  // +inf | -inf
-      const __mmask16 s_empty = _mm512_fpclass_ps_mask(s, 0x18);
-      const __m512 m = _mm512_max_ps(p, s);  // s NaN -> NaN; p NaN -> ep NaN below
-      const __m512 ep = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(p, m), log2e));
-      const __m512 es = exp2_ps(_mm512_mul_ps(_mm512_sub_ps(s, m), log2e));
-      const __m512 sum = _mm512_add_ps(ep, es);
-      _mm512_store_ps(wp, _mm512_div_ps(ep, sum));
-      _mm512_store_ps(ws, _mm512_div_ps(es, sum));
-      __m512 lse = _mm512_add_ps(m, log_1_to_2(sum));
-      lse = _mm512_mask_blend_ps(s_empty, lse, p);
-      lse = _mm512_mask_blend_ps(p_empty, lse, s);
-      lse = _mm512_mask_blend_ps(p_empty & s_empty, lse, neg_inf);
-      __m512i md = _mm512_setzero_si512();
-      md = _mm512_mask_blend_epi32(s_empty, md, _mm512_set1_epi32(kPrefixOnly));
-      md = _mm512_mask_blend_epi32(p_empty, md, _mm512_set1_epi32(kSuffixOnly));
-      md = _mm512_mask_blend_epi32(p_empty & s_empty, md, _mm512_set1_epi32(kNone));
-      _mm512_store_si512(mode, md);
-      _mm512_mask_storeu_ps(a.out_lse + h * a.num_tokens + c0, lanes, lse);
-
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = c0 + i;
-        const elem_t* pr = prefix + t * a.prefix_st + h * a.prefix_sh;
-        const elem_t* sr = suffix + t * a.suffix_st + h * a.suffix_sh;
-        elem_t* o = out + (t * a.num_heads + h) * d;
-        switch (mode[i]) {
-          case kNone:
-            std::memset(o, 0, sizeof(elem_t) * d);
-            break;
-          case kPrefixOnly:
-            std::memcpy(o, pr, sizeof(elem_t) * d);
-            break;
-          case kSuffixOnly:
-            std::memcpy(o, sr, sizeof(elem_t) * d);
-            break;
-          default: {
-            const __m512 vp = _mm512_set1_ps(wp[i]), vs = _mm512_set1_ps(ws[i]);
-            for (int64_t k = 0; k < full; ++k) {
-              const __m512 x = _mm512_fmadd_ps(load16<E>(pr + 16 * k, 0xffff), vp,
-                                               _mm512_mul_ps(load16<E>(sr + 16 * k, 0xffff), vs));
-              store16<E>(o + 16 * k, x, 0xffff);
-            }
-            if (tail != 0) {
-              const __m512 x = _mm512_fmadd_ps(load16<E>(pr + 16 * full, tail), vp,
-                                               _mm512_mul_ps(load16<E>(sr + 16 * full, tail), vs));
-              store16<E>(o + 16 * full, x, tail);
+        for (int64_t hb = 0; hb < hn; ++hb) {
+          const int64_t h = h0 + hb;
+          const elem_t* pr = prefix + t * a.prefix_st + h * a.prefix_sh;
+          const elem_t* sr = suffix + t * a.suffix_st + h * a.suffix_sh;
+          elem_t* o = out + (t * a.num_heads + h) * d;
+          switch (mode[hb][i]) {
+            case kNone:
+              std::memset(o, 0, sizeof(elem_t) * d);
+              break;
+            case kPrefixOnly:
+              std::memcpy(o, pr, sizeof(elem_t) * d);
+              break;
+            case kSuffixOnly:
+              std::memcpy(o, sr, sizeof(elem_t) * d);
+              break;
+            default: {
+              const __m512 vp = _mm512_set1_ps(wp[hb][i]), vs = _mm512_set1_ps(ws[hb][i]);
+              for (int64_t k = 0; k < full; ++k) {
+                const __m512 x =
+                    _mm512_fmadd_ps(load16<E>(pr + 16 * k, 0xffff), vp,
+                                    _mm512_mul_ps(load16<E>(sr + 16 * k, 0xffff), vs));
+                store16<E>(o + 16 * k, x, 0xffff);
+              }
+              if (tail != 0) {
+                const __m512 x =
+                    _mm512_fmadd_ps(load16<E>(pr + 16 * full, tail), vp,
+                                    _mm512_mul_ps(load16<E>(sr + 16 * full, tail), vs));
+                store16<E>(o + 16 * full, x, tail);
+              }
             }
           }
         }
