@@ -287,14 +287,15 @@ at::Tensor linear_decode(const at::Tensor& x,       // [M, K]
   return out;
 }
 
-// The most rows of x for which streaming the packed weight beats ATen's GEMM (oneDNN), measured
-// on this project's CI machine (Xeon, AMX, 2 threads; bench/kernel_cases/moe_gemm.py and a
-// sweep over M for the embedded default's projections). The fp32-FMA streaming kernel wins by
-// 1.2-7x at M <= 8 and loses from M = 16 on, where oneDNN's AMX tiles make the product
-// compute-bound; the tile streaming kernel (gemm_amx_avx512.cpp) stays at memory bandwidth
-// through M = 32, the decode-sized range.
+// The most rows of x for which streaming the packed weight beats ATen's GEMM (oneDNN). bf16 on
+// the AVX-512 BF16 or AMX kernels: 32, the decode-sized range. Measured on Zen 4 (2 threads,
+// VDPBF16PS streaming vs ATen's linear, the embedded default's projections and lm_head): the
+// streaming kernel wins by 1.6-2.8x at 8 rows and still by 1.3-1.5x at 32, where the product is
+// close to compute-bound either way; on the Xeon CI machine the tile kernel stays at memory
+// bandwidth through 32 rows. Elsewhere (fp32, fp16, the portable path) the scalar kernel only
+// pays for a few rows.
 int64_t stream_max_rows(const at::Tensor& x) {
-  if (x.scalar_type() == at::kBFloat16 && use_amx_bf16()) {
+  if (x.scalar_type() == at::kBFloat16 && use_avx512_bf16()) {
     return 32;
   }
   return 8;
