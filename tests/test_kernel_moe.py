@@ -24,10 +24,11 @@ from mlafx.models.moe import routed_experts_reference
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 2e-5}
-# Pairs per expert streamed (more go to ATen's GEMM): 8 for the fp32-FMA kernel, 16 on the
-# AMX tile unit (bf16, D and I multiples of 32).
+# Pairs per expert streamed (more go to ATen's GEMM): 8 for the scalar kernel, 16 on the AMX
+# tile unit (bf16, D and I multiples of 32), 32 for bf16 with VDPBF16PS.
 MAX_STREAMING_PAIRS = 8
 MAX_STREAMING_PAIRS_TILES = 16
+MAX_STREAMING_PAIRS_DPBF16 = 32
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
@@ -85,9 +86,10 @@ def test_matches_reference(T, D, inter, E, k, dtype, repeat, layout, seed):
     "counts",
     [
         [1, 0, 0, 3],  # decode: experts no token picked are skipped
-        [5, 6, 7, 8],  # tiles of 5..8 rows of x (bf16 x widened in the tile)
+        [5, 6, 7, 8],  # tiles of 5..8 rows of x
         [MAX_STREAMING_PAIRS, MAX_STREAMING_PAIRS + 1, 0],  # both paths at the boundary
         [MAX_STREAMING_PAIRS_TILES, MAX_STREAMING_PAIRS_TILES + 1, 0],  # the tiles' boundary
+        [MAX_STREAMING_PAIRS_DPBF16, MAX_STREAMING_PAIRS_DPBF16 + 1, 3],  # VDPBF16PS's
         [70, 2],  # prefill-sized group next to a decode-sized one
     ],
 )

@@ -11,7 +11,7 @@
 //
 // The (token, choice) pairs are grouped by expert, so every expert some token picked has its
 // weights read once per call, and experts no token picked are not read at all. Per expert:
-// - few pairs (<= 8; 16 on the tile unit), decode: bandwidth-bound. All such experts go through
+// - few pairs (bf16: <= 32 with VDPBF16PS, 16 on AMX tiles; else 8), decode: bandwidth-bound. All such experts go through
 //   two parallel passes that split the weight rows across threads (gate/up rows i in [i0, i1)
 //   of every such expert, then rows d in [d0, d1) of w2): each thread streams its own share
 //   of the weights once with the rows_dot kernel (gemm.h), so both cores pull bandwidth. In
@@ -51,17 +51,29 @@ namespace mlafx {
 namespace {
 
 // Experts with at most this many (token, choice) pairs stream their weights (rows_dot);
-// more go to ATen's GEMM. Measured with cold weights (D=2048, I=1408, one thread): the fp32
-// FMA kernel is 1.8x faster at 1 pair, 1.4x at 4, even at 8, and 0.85x at 16. On the tile
-// unit (bf16 with AMX) one tile of x holds 16 rows and the product stays bandwidth-bound.
-constexpr int64_t kMaxStreamingPairsFma = 8;
-constexpr int64_t kMaxStreamingPairs = 16;  // the most either kernel streams
+// more go to ATen's GEMM. bf16 on an AVX-512 BF16 CPU: 32 with VDPBF16PS, 16 on the tile unit
+// (one tile of x holds 16 rows). Measured on Zen 4 (2 threads, the embedded default's experts,
+// D=2048, I=1408): ATen's GEMM runs [17..22, 2048] x [2048, 2816] at ~200 GFLOP/s (1.2 ms),
+// twice the time VDPBF16PS needs to stream that weight at 22 rows. Other dtypes take the
+// scalar kernel, which pays only for a few pairs.
+constexpr int64_t kMaxStreamingPairs = 32;  // the most any kernel streams
+constexpr int64_t kMaxStreamingPairsTiles = 16;
+constexpr int64_t kMaxStreamingPairsScalar = 8;
 
 bool streams_on_tiles(at::ScalarType dtype, int64_t D, int64_t I) {
   return dtype == at::kBFloat16 && use_amx_bf16() &&
-         avx512::rows_dot_amx_supports(kMaxStreamingPairs, D) &&
-         avx512::rows_dot_amx_supports(kMaxStreamingPairs, I);
+         avx512::rows_dot_amx_supports(kMaxStreamingPairsTiles, D) &&
+         avx512::rows_dot_amx_supports(kMaxStreamingPairsTiles, I);
 }
+
+int64_t max_streaming_pairs(at::ScalarType dtype, bool tiles) {
+  if (tiles) {
+    return kMaxStreamingPairsTiles;
+  }
+  return dtype == at::kBFloat16 && use_avx512_bf16() ? kMaxStreamingPairs
+                                                     : kMaxStreamingPairsScalar;
+}
+
 // Weight rows per rows_dot call inside a thread's share: the fp32 results ([pairs, 64])
 // stay in L1 between the kernel and the epilogue that consumes them.
 constexpr int64_t kRowsPerStep = 64;
@@ -309,8 +321,8 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
   }
   const at::Tensor weights = topk_weights.contiguous();
   const bool tiles = streams_on_tiles(x.scalar_type(), D, I);
-  const int64_t max_streaming_pairs = tiles ? kMaxStreamingPairs : kMaxStreamingPairsFma;
-  const Routing routing = group_by_expert(id_data, T * k, E, max_streaming_pairs);
+  const Routing routing =
+      group_by_expert(id_data, T * k, E, max_streaming_pairs(x.scalar_type(), tiles));
   const Problem pb{k, D, I, weights.const_data_ptr<float>(), sum.data_ptr<float>()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_experts", [&] {
     if (!routing.streaming.empty()) {
