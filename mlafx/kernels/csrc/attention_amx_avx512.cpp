@@ -36,6 +36,7 @@
 #include "amx_tiles.h"
 #include "attention.h"
 #include "attention_avx512_math.h"
+#include "attention_prefetch.h"
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
 #error "attention_amx_avx512.cpp must be compiled with the AVX-512 and AMX flags from setup.py"
@@ -70,43 +71,6 @@ void configure_tiles() {
 // Tile loads are asm statements that do not tell the compiler they read memory: order them
 // after the plain stores that filled their source.
 inline void compiler_barrier() { asm volatile("" ::: "memory"); }
-
-// Rows of the next block still to prefetch: spans of whole cache lines and a cursor.
-struct PrefetchList {
-  static constexpr int64_t kMaxSpans = 3 * kBlockKeys;  // segment a, b and value rows
-  int64_t count;       // spans
-  int64_t span;        // cursor: current span
-  int64_t line;        // cursor: next line within it
-  int64_t total;       // lines in all spans
-  const char* start[kMaxSpans];
-  int64_t lines[kMaxSpans];
-
-  void clear() { count = span = line = total = 0; }
-
-  void add(const void* row, int64_t bytes) {
-    const auto first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
-    const auto last = reinterpret_cast<uintptr_t>(row) + static_cast<uintptr_t>(bytes);
-    start[count] = reinterpret_cast<const char*>(first);
-    lines[count] = static_cast<int64_t>((last - first + 63) / 64);
-    total += lines[count];
-    ++count;
-  }
-
-  // Issue up to `budget` more prefetches (into L2: a block is larger than L1).
-  void issue(int64_t budget) {
-    for (; span < count && budget > 0; ++span, line = 0) {
-      const int64_t todo = std::min(budget, lines[span] - line);
-      for (int64_t i = 0; i < todo; ++i) {
-        _mm_prefetch(start[span] + 64 * (line + i), _MM_HINT_T1);
-      }
-      budget -= todo;
-      line += todo;
-      if (line < lines[span]) {
-        return;
-      }
-    }
-  }
-};
 
 struct Layout {
   int64_t pa, pb;  // feature pairs in segments a and b
@@ -499,18 +463,7 @@ void block(void* ws, const CoreDims& d, int64_t j0, int64_t n, const void* const
 
 void prefetch(void* ws, const CoreDims& d, int64_t n, const void* const* ka,
               const void* const* kb, const void* const* v) {
-  const Layout L(d);
-  PrefetchList* pf = at_offset<PrefetchList>(ws, L.pf);
-  pf->clear();
-  for (int64_t k = 0; k < n; ++k) {
-    pf->add(ka[k], 2 * d.wa);
-    if (d.wb > 0) {
-      pf->add(kb[k], 2 * d.wb);
-    }
-    if (v[k] != ka[k]) {  // MLA: the value is the key row's prefix
-      pf->add(v[k], 2 * d.dv);
-    }
-  }
+  at_offset<PrefetchList>(ws, Layout(d).pf)->set_block(d, n, ka, kb, v);
 }
 
 void end(void* ws, const CoreDims& d, void* const* out_rows, float* const* out_f32_rows,

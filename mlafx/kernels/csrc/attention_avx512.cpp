@@ -24,6 +24,7 @@
 
 #include "attention.h"
 #include "attention_avx512_math.h"
+#include "attention_prefetch.h"
 
 #if !defined(__AVX512BF16__) || !defined(CPU_CAPABILITY_AVX512)
 #error "attention_avx512.cpp must be compiled with the AVX-512 flags from setup.py"
@@ -37,35 +38,14 @@ using mlafx::attn::CoreOps;
 using mlafx::attn::kBlockKeys;
 using mlafx::attn::kMaxRows;
 
-// The rows of the next key block (CoreOps::prefetch), fetched into L2 a line at a time from
-// inside q.k's loop while the current block is computed: a row that is not in cache costs far
-// more to load than to use, and the loads q.k issues on demand (one 32-bit broadcast per row
-// and pair) keep too few misses in flight. Measured on Zen 4 (one thread, 16 rows, 65536 keys
-// of 576 in permuted blocks of 16, beyond L3): 19.4 -> 15.2 ms (117 -> 150 GFLOP/s; 180 when
-// the keys are in L3). Every other pair of q.k issues one line; T0 or every pair: no better.
-struct NextRows {
-  int64_t count;                       // entries announced (0: none)
-  int64_t entry, line;                 // the next line to fetch
-  const char* rows[3 * kBlockKeys];    // ka, kb and v rows of the next block (v if not ka)
-  int32_t lines[3 * kBlockKeys];       // 64-byte lines of each
-
-  void clear() { count = entry = line = 0; }
-};
-
-inline void prefetch_one(NextRows* next) {
-  if (next->entry >= next->count) {
-    return;
-  }
-  _mm_prefetch(next->rows[next->entry] + 64 * next->line, _MM_HINT_T1);
-  if (++next->line == next->lines[next->entry]) {
-    next->line = 0;
-    ++next->entry;
-  }
-}
+// The next key block (CoreOps::prefetch) is fetched one line every other pair of q.k.
+// Measured on Zen 4 (one thread, 16 rows, 65536 keys of 576 in permuted blocks of 16, beyond
+// L3): 19.4 -> 15.2 ms (117 -> 150 GFLOP/s; 180 when the keys are in L3); T0 or a line every
+// pair: no better.
 
 struct Layout {
   int64_t pa, pb, dvp;  // pairs in segment a / b, value width padded to 16
-  size_t hdr, qp, qtail, lim, s, pp, vp, o, m, l, alpha, next, total;
+  size_t hdr, qp, qtail, lim, s, pp, vp, o, m, l, alpha, pf, total;
   explicit Layout(const CoreDims& d) : pa(d.wa / 2), pb(d.wb / 2), dvp(round_up16(d.dv)) {
     size_t at = 0;
     auto take = [&](size_t bytes) {
@@ -84,7 +64,7 @@ struct Layout {
     m = take(4 * kMaxRows);
     l = take(4 * kMaxRows);
     alpha = take(4 * kMaxRows);
-    next = take(sizeof(NextRows));
+    pf = take(sizeof(PrefetchList));
     total = at;
   }
 };
@@ -118,7 +98,7 @@ inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
 template <int M, int NV>
 inline void qk_tile(const uint32_t* qp, int64_t gp, int64_t pa, int64_t pb,
                     const uint16_t* const* ka, const uint16_t* const* kb, const float* qtail,
-                    bool tail_a, bool tail_b, int64_t wa, int64_t wb, NextRows* next,
+                    bool tail_a, bool tail_b, int64_t wa, int64_t wb, PrefetchList* pf,
                     __m512 acc[M][NV]) {
   for (int m = 0; m < M; ++m) {
     for (int v = 0; v < NV; ++v) {
@@ -127,7 +107,7 @@ inline void qk_tile(const uint32_t* qp, int64_t gp, int64_t pa, int64_t pb,
   }
   for (int64_t kp = 0; kp < pa; ++kp) {
     if ((kp & 1) == 0) {
-      prefetch_one(next);
+      pf->issue(1);
     }
     __m512i qv[NV];
     for (int v = 0; v < NV; ++v) {
@@ -143,7 +123,7 @@ inline void qk_tile(const uint32_t* qp, int64_t gp, int64_t pa, int64_t pb,
   const uint32_t* qpb = qp + pa * gp;
   for (int64_t kp = 0; kp < pb; ++kp) {
     if ((kp & 1) == 0) {
-      prefetch_one(next);
+      pf->issue(1);
     }
     __m512i qv[NV];
     for (int v = 0; v < NV; ++v) {
@@ -184,7 +164,7 @@ inline void qk_keys(void* ws, const Layout& L, const CoreDims& d, int64_t gp, in
   const uint16_t* const* kb_m = kb != nullptr ? kb + n0 : nullptr;
   qk_tile<M, NV>(at_offset<uint32_t>(ws, L.qp), gp, L.pa, L.pb, ka + n0, kb_m,
                  at_offset<float>(ws, L.qtail), (d.wa & 1) != 0, (d.wb & 1) != 0, d.wa, d.wb,
-                 at_offset<NextRows>(ws, L.next), acc);
+                 at_offset<PrefetchList>(ws, L.pf), acc);
   const int32_t* lim = at_offset<int32_t>(ws, L.lim);
   float* s = at_offset<float>(ws, L.s);
   const __m512 scale = _mm512_set1_ps(d.scale * kLog2e);
@@ -373,7 +353,7 @@ void begin(void* ws, const CoreDims& d, int64_t num_rows, const void* const* q_r
     lim[g] = static_cast<int32_t>(limits[g] < INT32_MAX ? limits[g] : INT32_MAX);
   }
   std::memset(at_offset<float>(ws, L.o), 0, sizeof(float) * gp * L.dvp);
-  at_offset<NextRows>(ws, L.next)->clear();
+  at_offset<PrefetchList>(ws, L.pf)->clear();
   float* m = at_offset<float>(ws, L.m);
   float* l = at_offset<float>(ws, L.l);
   for (int64_t g = 0; g < gp; ++g) {
@@ -397,29 +377,12 @@ void block(void* ws, const CoreDims& d, int64_t j0, int64_t n, const void* const
   softmax_block(ws, L, gp, n);
   pack_v(ws, L, d.dv, n, reinterpret_cast<const uint16_t* const*>(v));
   pv_block(ws, L, gp, n);
-  at_offset<NextRows>(ws, L.next)->clear();  // fetched (or not): never announced twice
+  at_offset<PrefetchList>(ws, L.pf)->clear();  // fetched (or not): never announced twice
 }
 
 void prefetch(void* ws, const CoreDims& d, int64_t n, const void* const* ka,
               const void* const* kb, const void* const* v) {
-  const Layout L(d);
-  NextRows* next = at_offset<NextRows>(ws, L.next);
-  const auto lines = [](int64_t elems) { return static_cast<int32_t>((2 * elems + 63) / 64); };
-  int64_t c = 0;
-  for (int64_t k = 0; k < n; ++k) {
-    next->rows[c] = static_cast<const char*>(ka[k]);
-    next->lines[c++] = lines(d.wa);
-    if (d.wb > 0 && kb != nullptr) {
-      next->rows[c] = static_cast<const char*>(kb[k]);
-      next->lines[c++] = lines(d.wb);
-    }
-    if (v[k] != ka[k]) {
-      next->rows[c] = static_cast<const char*>(v[k]);
-      next->lines[c++] = lines(d.dv);
-    }
-  }
-  next->clear();
-  next->count = c;
+  at_offset<PrefetchList>(ws, Layout(d).pf)->set_block(d, n, ka, kb, v);
 }
 
 void end(void* ws, const CoreDims& d, void* const* out_rows, float* const* out_f32_rows,
