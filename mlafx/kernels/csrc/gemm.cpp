@@ -7,7 +7,7 @@
 //   linear_decode(x [M, K], packed, out_features = N) -> out [M, N]   (x's dtype)
 //       x last-dim contiguous (rows may be strided); fp32 accumulation, one rounding at the end
 //   linear_packed(x [M, K], weight [N, K], packed, bias?) -> x @ weight^T + bias
-//       what the compiler lowers a model's linears to: linear_decode for M <= kStreamMaxRows,
+//       what the compiler lowers a model's linears to: linear_decode for M <= stream_max_rows(),
 //       ATen's linear (oneDNN) on the checkpoint's weight above, where it is compute-bound
 //
 // Why a packed layout, and not oneDNN or the row-major weight (bench/kernel_cases/moe_gemm.py;
@@ -23,9 +23,9 @@
 // on the row-major weight (rows_dot, which moe_experts must use) every row of x is re-read
 // per 2..8 weight rows: at 8 rows of x that traffic exceeds the weights' own, and it
 // measured ~80 vs ~120 GFLOP/s per core.
-// Any M works, but past ~32 rows the product is compute-bound and this kernel (~100-120
-// GFLOP/s per core) is far from ATen's matmul (oneDNN, ~650-750 GFLOP/s on 2 threads): a
-// prefill linear should keep the unpacked weight and ATen's matmul, a decode linear the
+// Any M works, but past ~32 rows the product is compute-bound and this kernel (on the Xeon,
+// ~100-120 GFLOP/s per core) is far from ATen's matmul (oneDNN, ~650-750 GFLOP/s on 2
+// threads): a prefill linear should keep the unpacked weight and ATen's matmul, a decode linear the
 // packed copy; keeping both doubles those weights' memory (a choice for the compiler).
 //
 // Python references: mlafx/kernels/gemm_reference.py.

@@ -3,9 +3,9 @@
 //
 // With few rows of x (M <= 32) a product with a [N, K] weight is bandwidth-bound: its time is
 // the weight's bytes over the memory bandwidth, provided each weight byte is read once and
-// the arithmetic keeps up. On this CPU family VDPBF16PS issues at half the rate of fp32 FMA,
-// so the AVX-512 kernels widen bf16 to fp32 in registers (a shift or a mask per 32 values)
-// and use FMA; the rows of x are widened once per call into a small fp32 scratch.
+// the arithmetic keeps up. The AVX-512 kernels feed the bf16 weights and rows of x to
+// VDPBF16PS as they lie (32 products per instruction, fp32 sums), the AMX kernels to the tile
+// unit; neither widens anything per call.
 //
 // Two weight layouts:
 // - row-major [N, K] (the checkpoint's, used for expert weights, which the moe_experts

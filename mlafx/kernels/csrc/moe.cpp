@@ -11,12 +11,12 @@
 //
 // The (token, choice) pairs are grouped by expert, so every expert some token picked has its
 // weights read once per call, and experts no token picked are not read at all. Per expert:
-// - few pairs (bf16: <= 32 with VDPBF16PS, 16 on AMX tiles; else 8), decode: bandwidth-bound. All such experts go through
-//   two parallel passes that split the weight rows across threads (gate/up rows i in [i0, i1)
-//   of every such expert, then rows d in [d0, d1) of w2): each thread streams its own share
-//   of the weights once with the rows_dot kernel (gemm.h), so both cores pull bandwidth. In
-//   the second pass a thread owns output columns [d0, d1), so a token that picked the same
-//   expert twice, or several experts, never races with itself.
+// - few pairs (bf16: <= 32 with VDPBF16PS, 16 on AMX tiles; else 8), decode: bandwidth-bound.
+//   All such experts go through two parallel passes that split the weight rows across threads
+//   (gate/up rows i in [i0, i1) of every such expert, then rows d in [d0, d1) of w2): each
+//   thread streams its own share of the weights once with the rows_dot kernel (gemm.h), so
+//   both cores pull bandwidth. In the second pass a thread owns output columns [d0, d1), so a
+//   token that picked the same expert twice, or several experts, never races with itself.
 // - many pairs (prefill): compute-bound. Gather the tokens, two ATen GEMMs (oneDNN, with its
 //   own blocking, threads and ISA choice) and silu*up in between, exactly the reference's
 //   arithmetic; the weighted rows are added into the fp32 sum by output columns.
