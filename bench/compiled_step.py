@@ -24,8 +24,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.roofline import median_seconds  # noqa: E402
+from mlafx.compile.compiled_step import compile_step  # noqa: E402
 from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES  # noqa: E402
-from mlafx.export.compiled_step import compile_step  # noqa: E402
 from mlafx.models.step import SequenceSpan, build_step_inputs  # noqa: E402
 from mlafx.runtime import LLM  # noqa: E402
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from mlafx.export.compiled_step import compile_step, package_path
+from mlafx.compile.compiled_step import compile_step, package_path
 from mlafx.graph.capture import sample_step
 from mlafx.models.from_transformers import model_from_transformers
 from tests.test_parity_transformers import CONFIGS

@@ -21,8 +21,8 @@ import torch
 
 import mlafx
 from mlafx.cli import main
+from mlafx.compile.compiled_step import lower_step
 from mlafx.export.artifact import load_artifact
-from mlafx.export.compiled_step import lower_step
 from mlafx.export.functional_step import check, make_functional
 from mlafx.export.manifest import MANIFEST_FILE, ArtifactError, config_from_dict
 from mlafx.export.onnx_export import plain_linears
@@ -41,7 +41,7 @@ MAX_TOKENS = 6
 # with the model code and every compiler entry point disabled, and prints the results.
 CHILD = """
 import json, sys, torch
-import mlafx.export.compiled_step as compiled_step
+import mlafx.compile.compiled_step as compiled_step
 import mlafx.models.deepseek as deepseek
 
 def refuse(*args, **kwargs):
@@ -355,6 +355,6 @@ def test_pt2_archive_holds_no_weights_and_no_pickles(artifacts):
 
 
 def test_export_package_is_callable_and_keeps_its_submodules():
-    import mlafx.export.compiled_step as compiled_step
+    import mlafx.compile.compiled_step as compiled_step
 
-    assert callable(mlafx.export) and compiled_step.__name__ == "mlafx.export.compiled_step"
+    assert callable(mlafx.export) and compiled_step.__name__ == "mlafx.compile.compiled_step"

@@ -1,6 +1,6 @@
 """The layers of DESIGN.md import downwards only: config -> models -> graph -> passes ->
-kernels -> runtime / export -> serve. A module may import its own layer and those listed as
-below it."""
+kernels -> compile -> runtime / export -> serve. A module may import its own layer and those
+listed as below it."""
 
 from __future__ import annotations
 
@@ -15,13 +15,25 @@ ALLOWED = {
     "models": {"config", "kernels"},
     "graph": {"config", "models", "kernels"},
     "passes": {"config", "models", "graph", "kernels"},
+    # the compiler: capture -> passes -> AOTInductor packages (engine, ranks and artifacts)
+    "compile": {"config", "models", "graph", "passes", "kernels"},
     # runtime runs the compiled step that export/ packages (one code path for both)
-    "runtime": {"config", "models", "graph", "passes", "kernels", "export", "parallel"},
+    "runtime": {"config", "models", "graph", "passes", "kernels", "compile", "export", "parallel"},
     # tensor-parallel ranks: shard models, run the (compiled) step per rank
-    "parallel": {"config", "models", "graph", "passes", "kernels", "export"},
-    "export": {"config", "models", "graph", "passes", "kernels"},
+    "parallel": {"config", "models", "graph", "passes", "kernels", "compile", "export"},
+    "export": {"config", "models", "graph", "passes", "kernels", "compile"},
     # the HTTP server sits on top: it drives runtime's LLM; no layer imports it
-    "serve": {"config", "models", "graph", "passes", "kernels", "runtime", "export", "parallel"},
+    "serve": {
+        "config",
+        "models",
+        "graph",
+        "passes",
+        "kernels",
+        "compile",
+        "runtime",
+        "export",
+        "parallel",
+    },
 }
 
 

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from mlafx.export.compiled_step import compile_step
+from mlafx.compile.compiled_step import compile_step
 from mlafx.graph.capture import capture_step, sample_step
 from mlafx.models.attention_path import AttentionPath, absorb_threshold
 from mlafx.models.step import SequenceSpan, StepInputs, build_step_inputs

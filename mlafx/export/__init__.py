@@ -1,7 +1,5 @@
 """Ahead-of-time artifacts (AOTInductor package, ``torch.export`` .pt2, ONNX).
 
-- ``compiled_step.py``: lower the step and AOT-compile it (shared with the engine's compiled path)
-- ``aoti_runner.py``: run an AOTInductor package without importing the compiler
 - ``artifact.py``: write an artifact directory, verify and load one
 - ``manifest.py``: manifest.json and the checks run before anything is loaded
 - ``weights.py``, ``isa.py``: the weights file; the CPU flags compiled code needs
@@ -11,7 +9,8 @@
 ``mlafx.export(model, output, format)`` is this package called as a function (it forwards
 to :func:`mlafx.export.artifact.export`): the package keeps its submodules importable as
 ``mlafx.export.<module>`` while ``mlafx.export(...)`` writes an artifact. Nothing heavy is
-imported until it is called. Must not import ``mlafx.runtime``.
+imported until it is called. The compiled step itself lives in ``mlafx.compile``. Must not import
+``mlafx.runtime``.
 """
 
 from __future__ import annotations

@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 
-from mlafx.config import ModelConfig
-from mlafx.export.compiled_step import (
+from mlafx.compile.compiled_step import (
     CompiledStep,
     aoti_package,
     load_aoti_package,
     lower_step,
     model_constants,
 )
+from mlafx.config import ModelConfig
 from mlafx.export.isa import aoti_cpu_requirements
 from mlafx.export.manifest import (
     FORMATS,

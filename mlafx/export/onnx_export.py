@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from mlafx.export.compiled_step import LoweredStep
+from mlafx.compile.compiled_step import LoweredStep
 from mlafx.export.functional_step import check, make_functional, write_rows
 from mlafx.export.weights import StoredTensor, tensor_locations
 from mlafx.graph.capture import sample_step, step_dynamic_shapes

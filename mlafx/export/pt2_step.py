@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mlafx.export.compiled_step import LoweredStep
+from mlafx.compile.compiled_step import LoweredStep
 from mlafx.graph.capture import step_dynamic_shapes
 from mlafx.passes.derived_constants import with_derived_constants
 

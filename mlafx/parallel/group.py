@@ -311,7 +311,7 @@ def start_workers(
     split; ``local_ranks``: see ``WorkerGroup``). Packages go to ``<compile cache>/tp<N>``:
     a shard's graph holds all-reduces that an unsharded model of the same shapes does not,
     so the two must never share a key."""
-    from mlafx.export.compiled_step import default_cache_dir
+    from mlafx.compile.compiled_step import default_cache_dir
 
     check_shardable(config, world_size)
     check_local_ranks_fit(config, dtype, num_blocks * block_size, world_size, local_ranks)

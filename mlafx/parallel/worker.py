@@ -98,7 +98,7 @@ class _Rank:
     def compile(self) -> float:
         if not self.spec.compile:
             return 0.0
-        from mlafx.export.compiled_step import compile_step
+        from mlafx.compile.compiled_step import compile_step
 
         self.step_fn = compile_step(
             self.model, self.spec.block_size, cache_dir=Path(self.spec.compile_cache_dir)

@@ -154,7 +154,7 @@ class LLM:
             self.compiled = None
             step_fn: StepFn = self.model
             if compile:
-                from mlafx.export.compiled_step import compile_step
+                from mlafx.compile.compiled_step import compile_step
 
                 cache_dir = None if compile_cache_dir is None else Path(compile_cache_dir)
                 self.compiled = compile_step(self.model, block_size, cache_dir=cache_dir)
@@ -258,7 +258,7 @@ class LLM:
         llm.model, llm.compiled, llm.artifact = model, None, None
         step_fn: StepFn = model
         if compile:
-            from mlafx.export.compiled_step import compile_step
+            from mlafx.compile.compiled_step import compile_step
 
             cache_dir = None if compile_cache_dir is None else Path(compile_cache_dir)
             llm.compiled = step_fn = compile_step(model, block_size, cache_dir=cache_dir)

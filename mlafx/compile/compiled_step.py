@@ -20,7 +20,7 @@ from types import MappingProxyType
 
 import torch
 
-from mlafx.export.aoti_runner import PackageRunner
+from mlafx.compile.aoti_runner import PackageRunner
 from mlafx.graph.capture import capture_step, sample_step, step_dynamic_shapes
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.step import CACHE_LAYOUT_VERSION, StepMetadata
