@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=args.block_size,
         num_kv_blocks=num_blocks,
         progress=False,
+        compile=False,  # the reference model, compiled below
     )
     gen = torch.Generator().manual_seed(0)
     for cache in llm.kv_caches:  # random context rows

@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from mlafx.compile.compiled_step import compile_step, package_path
+from mlafx.compile.layer_kinds import layer_kinds
 from mlafx.graph.capture import sample_step
 from mlafx.models.from_transformers import model_from_transformers
 from tests.test_parity_transformers import CONFIGS
@@ -22,7 +23,11 @@ def test_models_sharing_a_package_keep_their_own_small_weights(tmp_path):
     assert first.model.layers[1].mlp.gate.e_score_correction_bias.numel() <= 8  # inlinable
     compile_step(first, 4, cache_dir=tmp_path)
     step = compile_step(second, 4, cache_dir=tmp_path)
-    assert step.lowering is None and step.package == package_path(first, 4, tmp_path)
+    kinds = layer_kinds(first)
+    assert step.lowerings == {}
+    assert [p.package for p in step.packages] == [
+        package_path(first, k, 4, tmp_path) for k in kinds
+    ]
     sample, caches = sample_step(second, 4)
     args = (sample.input_ids, sample.positions)
     with torch.no_grad():

@@ -32,6 +32,12 @@ class PackageRunner:
         flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
         return pytree.tree_unflatten(self.loader.boxed_run(flat), self.out_spec)
 
+    def run_flat(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The package's outputs, flat, for its inputs already flattened (in pytree leaf
+        order): what a caller that runs it many times a step uses (``boxed_run`` takes
+        the list)."""
+        return self.loader.boxed_run(flat)
+
     def get_constant_fqns(self) -> list[str]:
         return self.loader.get_constant_fqns()
 

@@ -1,33 +1,71 @@
-"""The compiled step: capture -> MLA passes -> AOTInductor package, loaded in process.
+"""The compiled step: one AOTInductor package per layer kind, run for every layer of that kind.
 
-The engine's compiled path and the shipped artifact are the same AOTInductor package, so
-"identical to the compiled engine" holds by construction. Weights stay outside the shared
-library (``aot_inductor.package_constants_in_so=False``) and are handed over with
-``load_constants``: the package holds code only, keyed on disk by config, dtype, block
-size and versions, so a second engine start loads it instead of recompiling.
+    cos, sin = rope_cos_sin(positions)                  (host, as the reference model)
+    x        = embedding(input_ids)                     (host)
+    for each layer i:  x = package[kind(i)](x, positions, cos, sin, caches[i], meta)
+                       (a LayerStep graph: captured, MLA-lowered and compiled once per kind,
+                       loaded once per layer with that layer's weights)
+    logits   = linear_packed(rms_norm(x[logits_indices]), lm_head)   (host, one custom op)
+
+Compile cost is per layer *kind* (DeepSeek: dense and MoE), not per layer, so a 61-layer
+model compiles about as fast as a 2-layer one. Capture, lowering and compilation read the
+layer's weights in place and copy none of them (the stages share them, ``graph_utils.copy_graph``;
+AOTInductor keeps them out of the shared library, ``package_constants_in_so=False``): the
+weights are handed to each loaded package with ``load_constants``. Packages are code only,
+cached on disk by config (less the layer count), the layer's structure, dtype, block size and
+versions, so the next engine start, and every model sharing a layer kind, loads them.
+
+Two processes may start on an empty cache together: a package is built under a lock (the
+second waits, then loads) and written through a unique temporary file renamed into place. A
+lowering that fails verification is an error naming the layer kind and its sites, and nothing
+is cached; ``allow_unlowered=True`` serves the captured (unlowered, much slower) layer
+instead, loudly and without caching it.
+
+``lower_step`` lowers the whole step as one program: what the pt2 and ONNX artifacts ship.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
+import torch.nn.functional as F
 
 from mlafx.compile.aoti_runner import PackageRunner
-from mlafx.graph.capture import capture_step, sample_step, step_dynamic_shapes
+from mlafx.compile.layer_kinds import LayerKind, kind_of_layers, layer_kinds
+from mlafx.config import ModelConfig
+from mlafx.graph.capture import (
+    LAYER_PREFIX,
+    capture_layer,
+    capture_step,
+    layer_dynamic_shapes,
+    sample_layer,
+    sample_step,
+    step_dynamic_shapes,
+)
 from mlafx.models.deepseek import MLAForCausalLM
+from mlafx.models.layers import rms_norm
+from mlafx.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
 from mlafx.models.step import CACHE_LAYOUT_VERSION, StepMetadata
-from mlafx.passes.derived_constants import with_derived_constants
+from mlafx.passes.derived_constants import packed_name, with_derived_constants
 from mlafx.passes.pipeline import LoweringResult, lower_step_graph, lowering_source_sha256
 
 log = logging.getLogger(__name__)
+
+
+class LoweringError(RuntimeError):
+    """The lowered graph failed verification: compiling it would serve wrong results."""
 
 
 def default_cache_dir() -> Path:
@@ -48,16 +86,22 @@ INDUCTOR_CONFIGS = MappingProxyType(
     }
 )
 
+# Config fields no decoder layer's graph depends on: a layer package serves every depth.
+_NOT_IN_LAYER = (
+    "num_hidden_layers",
+    "mlp_layer_types",
+    "vocab_size",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_ids",
+)
 
-def package_key(model: MLAForCausalLM, block_size: int) -> str:
+
+def _versions() -> dict[str, object]:
     import mlafx
     from mlafx.kernels import _build_info  # the kernels the package will call (gitignored)
 
-    cfg = model.config
-    facts = {
-        "config": cfg.to_dict(),
-        "dtype": str(model.lm_head.weight.dtype),
-        "block_size": block_size,
+    return {
         "torch": torch.__version__,
         "mlafx": mlafx.__version__,
         "kernels": _build_info.CSRC_SHA256,
@@ -65,73 +109,177 @@ def package_key(model: MLAForCausalLM, block_size: int) -> str:
         "lowering": lowering_source_sha256(),  # model, capture and passes sources
         "inductor": dict(INDUCTOR_CONFIGS),
     }
+
+
+def package_key(config: ModelConfig, kind: LayerKind, dtype: torch.dtype, block_size: int) -> str:
+    layer_config = {k: v for k, v in config.to_dict().items() if k not in _NOT_IN_LAYER}
+    facts = {
+        "config": layer_config,
+        "layer": kind.signature,
+        "dtype": str(dtype),
+        "block_size": block_size,
+        **_versions(),
+    }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+def package_path(
+    model: MLAForCausalLM, kind: LayerKind, block_size: int, cache_dir: Path | None = None
+) -> Path:
+    """Where the package of ``model``'s layer kind ``kind`` lives in the on-disk cache."""
+    key = package_key(model.config, kind, model.lm_head.weight.dtype, block_size)
+    return (cache_dir or default_cache_dir()) / f"layer-{key}.pt2"
+
+
 @dataclass(frozen=True)
-class LoweredStep:
-    """The lowered step as an ExportedProgram (dynamic extents), with the pass report and
-    the sample arguments it was traced with."""
+class LoweredGraph:
+    """A lowered graph as an ExportedProgram (dynamic extents), with the pass report."""
 
     program: torch.export.ExportedProgram
     lowering: LoweringResult
-    sample_args: tuple
 
 
-@dataclass
-class CompiledStep:
-    """Callable like the model: ``step(input_ids, positions, caches, meta, logits_indices)``."""
-
-    runner: object
-    lowering: LoweringResult | None  # None when the package came from the cache
+@dataclass(frozen=True)
+class LayerPackage:
+    kind: LayerKind
     package: Path
-    compile_seconds: float
-
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        caches: list[torch.Tensor],
-        meta: StepMetadata,
-        logits_indices: torch.Tensor,
-    ) -> torch.Tensor:
-        return self.runner(input_ids, positions, caches, meta, logits_indices)
+    lowering: LoweringResult | None  # None when the package came from the cache
+    cached: bool = True  # False: an unlowered stand-in, deleted once loaded
 
 
-def lower_step(model: MLAForCausalLM, block_size: int) -> LoweredStep:
-    """Capture the model's step, run the MLA passes, and re-export the lowered graph with
-    the step's dynamic extents (the program every artifact format starts from)."""
+def _checked(lowering: LoweringResult, what: str) -> LoweringResult:
+    if lowering.verify_error is not None:
+        sites = ", ".join(f"{s.sdpa.name} (layer {s.layer})" for s in lowering.sites) or "none"
+        raise LoweringError(
+            f"{what}: the lowered graph failed verification at MLA site(s) {sites}: "
+            f"{lowering.verify_error}. Nothing was cached. LLM(..., allow_unlowered=True) "
+            "serves the captured graph instead (the reference attention: far slower)."
+        )
+    return lowering
+
+
+def _export(
+    graph: torch.nn.Module, args: tuple, dynamic_shapes: object
+) -> torch.export.ExportedProgram:
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
+        return torch.export.export(graph, args, dynamic_shapes=dynamic_shapes, strict=False)
+
+
+def lower_layer(
+    model: MLAForCausalLM, kind: LayerKind, block_size: int, *, allow_unlowered: bool = False
+) -> LoweredGraph:
+    """Capture the first layer of ``kind``, run the MLA passes, verify, and re-export the
+    lowered graph with the step's dynamic extents. Raises ``LoweringError`` when verification
+    fails, unless ``allow_unlowered`` (then the program is the captured layer)."""
+    start = time.perf_counter()
+    sample = sample_layer(model, block_size)
+    captured = capture_layer(model, kind.layers[0], block_size)
+    lowering = lower_step_graph(
+        captured.module(), sample, [sample.cache], time.perf_counter() - start
+    )
+    if lowering.verify_error is not None and allow_unlowered:
+        log.error(
+            "layer kind %s: the lowered graph failed verification (%s); serving the captured "
+            "graph UNLOWERED (reference attention, not cached)",
+            kind.name,
+            lowering.verify_error,
+        )
+    else:
+        _checked(lowering, f"layer kind {kind.name} (layers {list(kind.layers)})")
+    program = _export(lowering.graph, sample.args([sample.cache]), layer_dynamic_shapes())
+    return LoweredGraph(program, lowering)
+
+
+def lower_step(model: MLAForCausalLM, block_size: int) -> LoweredGraph:
+    """Capture the whole step, run the MLA passes, verify (``LoweringError`` on failure) and
+    re-export the lowered graph with the step's dynamic extents: the program the pt2 and ONNX
+    artifacts start from."""
     start = time.perf_counter()
     sample, caches = sample_step(model, block_size)
     captured = capture_step(model, block_size)
     lowering = lower_step_graph(captured.module(), sample, caches, time.perf_counter() - start)
-    args = (sample.input_ids, sample.positions, caches, sample.meta, sample.logits_indices)
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
-        program = torch.export.export(
-            lowering.graph,
-            args,
-            dynamic_shapes=step_dynamic_shapes(model.config.num_hidden_layers),
-            strict=False,
-        )
-    return LoweredStep(program, lowering, args)
+    _checked(lowering, "the step")
+    program = _export(
+        lowering.graph,
+        sample.args(caches),
+        step_dynamic_shapes(model.config.num_hidden_layers),
+    )
+    return LoweredGraph(program, lowering)
 
 
 def build_aoti_package(program: torch.export.ExportedProgram, package: Path) -> None:
     """AOT-compile ``program`` into ``package`` (code only: the weights stay outside the
-    shared library and are handed over at load time by :func:`load_aoti_package`)."""
+    shared library and are handed over at load time). Written through a unique temporary
+    file renamed into place: a crashed or concurrent compile never leaves a half package."""
     package.parent.mkdir(parents=True, exist_ok=True)
-    tmp = package.with_suffix(".tmp.pt2")
-    torch._inductor.aoti_compile_and_package(
-        program,
-        package_path=str(tmp),
-        inductor_configs=dict(INDUCTOR_CONFIGS),  # a copy: inductor adds its own keys to it
-    )
-    tmp.replace(package)  # atomic: a crashed compile never leaves a half package
+    fd, tmp = tempfile.mkstemp(dir=package.parent, prefix=f".{package.stem}.", suffix=".tmp.pt2")
+    os.close(fd)
+    try:
+        torch._inductor.aoti_compile_and_package(
+            program,
+            package_path=tmp,
+            inductor_configs=dict(INDUCTOR_CONFIGS),  # a copy: inductor adds its own keys
+        )
+        os.replace(tmp, package)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def package_lock(package: Path) -> Iterator[None]:
+    """Held while ``package`` is looked up and, if missing, built: a second process that
+    wants the same package waits here, then finds it built."""
+    package.parent.mkdir(parents=True, exist_ok=True)
+    with open(package.with_name(f".{package.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def layer_package(
+    model: MLAForCausalLM,
+    kind: LayerKind,
+    block_size: int,
+    cache_dir: Path | None = None,
+    *,
+    allow_unlowered: bool = False,
+) -> LayerPackage:
+    """The package of layer kind ``kind`` from the cache, compiled first if missing."""
+    package = package_path(model, kind, block_size, cache_dir)
+    with package_lock(package):
+        if package.exists():
+            return LayerPackage(kind, package, None)
+        start = time.perf_counter()
+        log.warning(
+            "compiling layer kind %s of %s (layers %s, block size %d) into %s",
+            kind.name,
+            model.config.model_type,
+            _ranges(kind.layers),
+            block_size,
+            package,
+        )
+        lowered = lower_layer(model, kind, block_size, allow_unlowered=allow_unlowered)
+        if lowered.lowering.verify_error is not None:  # unlowered on request: never cached
+            fd, stand_in = tempfile.mkstemp(dir=package.parent, suffix=".unlowered.pt2")
+            os.close(fd)
+            build_aoti_package(lowered.program, Path(stand_in))
+            return LayerPackage(kind, Path(stand_in), lowered.lowering, cached=False)
+        build_aoti_package(lowered.program, package)
+        log.warning("  compiled in %.1f s", time.perf_counter() - start)
+        return LayerPackage(kind, package, lowered.lowering)
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    return f"{layers[0]}..{layers[-1]}" if len(layers) > 2 else ", ".join(map(str, layers))
 
 
 def load_aoti_package(package: Path, constants: dict[str, torch.Tensor]) -> PackageRunner:
     """Load an AOTInductor package and hand it its weights (``load_constants``, shared with
-    the caller: ``user_managed=True``). Every constant the package names must be given."""
+    the caller: ``user_managed=True``). Every constant the package names must be given or
+    derivable (``passes/derived_constants.py``)."""
     runner = PackageRunner(package)
     wanted = runner.get_constant_fqns()
     constants = with_derived_constants(constants, wanted)
@@ -144,45 +292,129 @@ def load_aoti_package(package: Path, constants: dict[str, torch.Tensor]) -> Pack
     return runner
 
 
-def package_path(model: MLAForCausalLM, block_size: int, cache_dir: Path | None = None) -> Path:
-    """Where the model's AOTInductor package lives in the on-disk cache."""
-    return (cache_dir or default_cache_dir()) / f"step-{package_key(model, block_size)}.pt2"
+# The step's ends, run on the host: their weights by the whole model's names.
+EMBEDDING, FINAL_NORM, LM_HEAD, ROPE = (
+    "model.embed_tokens.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+    "rope_inv_freq",
+)
 
 
-def compile_package(model: MLAForCausalLM, block_size: int, package: Path) -> LoweredStep:
-    """Lower the model's step and AOT-compile it into ``package`` (logged: ~20 s or more)."""
-    start = time.perf_counter()
-    log.warning(
-        "compiling the step for %s (block size %d) into %s",
-        model.config.model_type,
-        block_size,
-        package,
-    )
-    lowered = lower_step(model, block_size)
-    build_aoti_package(lowered.program, package)
-    log.warning("  compiled in %.1f s", time.perf_counter() - start)
-    return lowered
+def layer_constants(constants: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    """Layer ``layer``'s weights by the names its package uses (``LayerStep``'s)."""
+    prefix = f"model.layers.{layer}."
+    return {
+        LAYER_PREFIX + name[len(prefix) :]: t
+        for name, t in constants.items()
+        if name.startswith(prefix)
+    }
 
 
-def aoti_package(model: MLAForCausalLM, block_size: int, cache_dir: Path | None = None) -> Path:
-    """The model's AOTInductor package in the on-disk cache, compiled first if missing."""
-    package = package_path(model, block_size, cache_dir)
-    if not package.exists():
-        compile_package(model, block_size, package)
-    return package
+class CompiledStep:
+    """Callable like the model: ``step(input_ids, positions, caches, meta, logits_indices)``.
+
+    ``constants``: the model's weights and buffers by their FQNs (``model_constants``).
+    ``release(name)``, if given, is called for every weight no loaded package and no end of
+    the step reads (a source a derived constant replaced), once its layer is loaded: the
+    caller drops its own reference, so that only one copy of each weight stays.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        constants: dict[str, torch.Tensor],
+        packages: list[LayerPackage],
+        *,
+        compile_seconds: float = 0.0,
+        release: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.packages = packages
+        self.compile_seconds = compile_seconds
+        kinds = kind_of_layers([p.kind for p in packages], config.num_hidden_layers)
+        self.layers: list[PackageRunner] = []
+        for layer, kind in enumerate(kinds):
+            own = layer_constants(constants, layer)
+            runner = load_aoti_package(packages[kind].package, own)
+            self.layers.append(runner)
+            if release is not None:
+                kept = set(runner.get_constant_fqns())
+                prefix = f"model.layers.{layer}."
+                for name in sorted(own.keys() - kept):
+                    release(prefix + name[len(LAYER_PREFIX) :])
+        for package in packages:
+            if not package.cached:
+                package.package.unlink(missing_ok=True)
+        self.embedding = constants[EMBEDDING]
+        self.final_norm = constants[FINAL_NORM]
+        self.lm_head = constants[LM_HEAD]
+        self.lm_head_packed = with_derived_constants(constants, [packed_name(LM_HEAD)])[
+            packed_name(LM_HEAD)
+        ]
+        inv_freq = constants.get(ROPE)
+        self.rope_inv_freq = rope_inv_freq(config) if inv_freq is None else inv_freq
+        self.rope_scale = rope_scale(config)
+
+    @property
+    def lowerings(self) -> dict[str, LoweringResult]:
+        """The pass report of each layer kind compiled by this process (not loaded)."""
+        return {p.kind.name: p.lowering for p in self.packages if p.lowering is not None}
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[torch.Tensor],
+        meta: StepMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_scale)
+        meta_leaves = [getattr(meta, f.name) for f in fields(meta)]
+        x = F.embedding(input_ids, self.embedding)
+        for runner, cache in zip(self.layers, caches, strict=True):
+            (x,) = runner.run_flat([x, positions, cos, sin, cache, *meta_leaves])
+        h = rms_norm(x.index_select(0, logits_indices), self.final_norm, self.config.rms_norm_eps)
+        return torch.ops.mlafx.linear_packed(h, self.lm_head, self.lm_head_packed, None)
 
 
 def compile_step(
-    model: MLAForCausalLM, block_size: int, *, cache_dir: Path | None = None
+    model: MLAForCausalLM,
+    block_size: int,
+    *,
+    cache_dir: Path | None = None,
+    allow_unlowered: bool = False,
+    release_replaced_weights: bool = False,
 ) -> CompiledStep:
-    """Capture, lower and AOT-compile the model's step (or load the cached package)."""
+    """Compile (or load from the cache) one package per layer kind of ``model`` and load it
+    for each of its layers. ``release_replaced_weights``: the model gives up the weights the
+    compiled step does not read (they become meta tensors: the model no longer runs
+    eagerly), for an engine that serves only the compiled step."""
     start = time.perf_counter()
-    package = package_path(model, block_size, cache_dir)
-    lowering = None
-    if not package.exists():
-        lowering = compile_package(model, block_size, package).lowering
-    runner = load_aoti_package(package, model_constants(model))
-    return CompiledStep(runner, lowering, package, time.perf_counter() - start)
+    packages = [
+        layer_package(model, kind, block_size, cache_dir, allow_unlowered=allow_unlowered)
+        for kind in layer_kinds(model)
+    ]
+    return CompiledStep(
+        model.config,
+        model_constants(model),
+        packages,
+        compile_seconds=time.perf_counter() - start,
+        release=(lambda name: release_weight(model, name)) if release_replaced_weights else None,
+    )
+
+
+def release_weight(model: torch.nn.Module, name: str) -> None:
+    """Replace ``model``'s tensor ``name`` by a meta tensor of its shape (drops the model's
+    reference to its memory; running the model eagerly then fails loudly)."""
+    owner_path, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_path) if owner_path else model
+    tensor = getattr(owner, attr)
+    meta = torch.empty_like(tensor, device="meta")
+    if attr in owner._parameters:
+        owner._parameters[attr] = torch.nn.Parameter(meta, requires_grad=False)
+    else:
+        owner._buffers[attr] = meta
 
 
 def model_constants(model: MLAForCausalLM) -> dict[str, torch.Tensor]:

@@ -3,14 +3,15 @@ one (:func:`load_artifact`).
 
     DIR/manifest.json        what the directory holds and needs (manifest.py)
     DIR/weights.safetensors  the weights, for every format (weights.py)
-    DIR/step.pt2             aoti: the AOTInductor package the compiled engine runs (code only)
-                             pt2:  the torch.export program, weights as inputs (pt2_step.py)
+    DIR/layer-<k>.pt2        aoti: the AOTInductor packages the compiled engine runs, one per
+                             layer kind (code only; manifest step.layer_kinds)
+    DIR/step.pt2             pt2:  the torch.export program, weights as inputs (pt2_step.py)
     DIR/step.onnx            onnx: the functional step; its initializers point into
                              weights.safetensors (onnx_export.py)
     DIR/tokenizer.json       when the model has one
 
-Pickled data: none in weights.safetensors, manifest.json or step.onnx. ``step.pt2`` of an
-aoti artifact is a zip holding a shared library that runs native code when loaded; a
+Pickled data: none in weights.safetensors, manifest.json or step.onnx. Each ``layer-<k>.pt2`` of
+an aoti artifact is a zip holding a shared library that runs native code when loaded; a
 ``torch.export`` archive (pt2) is JSON and raw bytes, but torch unpickles any tensor
 constant stored in pickle form. Loading is safe against modified or corrupted files
 because :func:`~mlafx.export.manifest.verify_artifact` checks every file's sha256 against
@@ -33,11 +34,12 @@ import torch
 
 from mlafx.compile.compiled_step import (
     CompiledStep,
-    aoti_package,
-    load_aoti_package,
+    LayerPackage,
+    layer_package,
     lower_step,
     model_constants,
 )
+from mlafx.compile.layer_kinds import LayerKind, layer_kinds
 from mlafx.config import ModelConfig
 from mlafx.export.isa import aoti_cpu_requirements
 from mlafx.export.manifest import (
@@ -134,11 +136,16 @@ def export_model(
             aliases = save_weights(model_constants(model), staging / WEIGHTS_FILE)
         cpu: dict[str, Any] = {"required_flags": []}  # portable unless compiled code ships
         if format == "aoti":
-            with _phase("AOTInductor package (compiled unless cached, ~20 s per config)"):
-                package = aoti_package(model, block_size, compile_cache_dir)
-                shutil.copyfile(package, staging / "step.pt2")
-            cpu = aoti_cpu_requirements(package)
-            step = {"file": "step.pt2"}
+            with _phase("AOTInductor packages, one per layer kind (compiled unless cached)"):
+                step = {"layer_kinds": []}
+                for k, kind in enumerate(layer_kinds(model)):
+                    package = layer_package(model, kind, block_size, compile_cache_dir)
+                    shutil.copyfile(package.package, staging / f"layer-{k}.pt2")
+                    step["layer_kinds"].append(
+                        {"name": kind.name, "file": f"layer-{k}.pt2", "layers": list(kind.layers)}
+                    )
+            # one compiler and one machine built them all: the flags are the same
+            cpu = aoti_cpu_requirements(staging / step["layer_kinds"][0]["file"])
         else:
             with _phase("capturing and lowering the step"):
                 lowered = lower_step(model, block_size)
@@ -224,20 +231,27 @@ def load_artifact(directory: str | Path, engine: str | None = None) -> LoadedArt
             f"engine {engine!r} cannot serve a {manifest.format} artifact (use {expected!r}); "
             "engine='onnxruntime' runs ONNX artifacts"
         )
-    step_file = directory / manifest.step["file"]
     step: StepFn
     if manifest.format == "onnx":
         from mlafx.export.onnx_export import OnnxStep
 
-        step = OnnxStep(step_file, manifest.step["input_names"])
+        step = OnnxStep(directory / manifest.step["file"], manifest.step["input_names"])
     else:
         weights = load_weights(directory / WEIGHTS_FILE, manifest.weight_aliases)
         if manifest.format == "aoti":
-            step = CompiledStep(load_aoti_package(step_file, weights), None, step_file, 0.0)
+            packages = [
+                LayerPackage(
+                    LayerKind(k["name"], "", tuple(k["layers"])), directory / k["file"], None
+                )
+                for k in manifest.step["layer_kinds"]
+            ]
+            step = CompiledStep(manifest.config(), weights, packages)
         else:
             from mlafx.export.pt2_step import Pt2Step
 
-            step = Pt2Step(step_file, weights, manifest.step["weight_names"])
+            step = Pt2Step(
+                directory / manifest.step["file"], weights, manifest.step["weight_names"]
+            )
     return LoadedArtifact(
         directory,
         manifest,

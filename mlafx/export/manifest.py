@@ -12,7 +12,7 @@
     step                 format-specific facts (file names, ONNX input/output names)
 
 Verification (:func:`verify_artifact`) reads only this JSON file and hashes every listed
-file before any of them is opened by a loader: ``step.pt2`` (aoti) holds a shared library
+file before any of them is opened by a loader: ``layer-<k>.pt2`` (aoti) holds a shared library
 that runs native code when loaded, and a ``torch.export`` archive (pt2) may hold pickled
 constants. A hash mismatch, a missing file, other versions, other op schemas or a CPU
 lacking the compiled instruction set are refused with :class:`ArtifactError`. The hashes

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from mlafx.compile.compiled_step import LoweredStep
+from mlafx.compile.compiled_step import LoweredGraph
 from mlafx.export.functional_step import check, make_functional, write_rows
 from mlafx.export.weights import StoredTensor, tensor_locations
 from mlafx.graph.capture import sample_step, step_dynamic_shapes
@@ -36,7 +36,7 @@ _SAFETENSORS_DTYPE = {"F32": 1, "I32": 6, "I64": 7, "F16": 10, "BF16": 16}  # on
 
 
 def export_onnx(
-    lowered: LoweredStep, model: torch.nn.Module, block_size: int, directory: Path, weights: str
+    lowered: LoweredGraph, model: torch.nn.Module, block_size: int, directory: Path, weights: str
 ) -> dict[str, Any]:
     """Write ``directory/step.onnx`` (weights referenced in ``directory/weights``); returns
     the manifest's ``step`` facts."""
@@ -55,7 +55,7 @@ def export_onnx(
     report = check(lowered.lowering.graph, functional, sample, caches)
     log.warning(
         "onnx: functional step matches the in-place step (logits within %.2g)",
-        report.max_abs_logit_diff,
+        report.max_abs_output_diff,
     )
     num_layers = len(caches)
     with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mlafx.compile.compiled_step import LoweredStep
+from mlafx.compile.compiled_step import LoweredGraph
 from mlafx.graph.capture import step_dynamic_shapes
 from mlafx.passes.derived_constants import with_derived_constants
 
@@ -41,7 +41,7 @@ def step_weight_names(step: torch.fx.GraphModule) -> list[str]:
     return names + [n for n, _ in step.named_buffers(remove_duplicate=False)]
 
 
-def export_pt2(lowered: LoweredStep, directory: Path) -> dict[str, Any]:
+def export_pt2(lowered: LoweredGraph, directory: Path) -> dict[str, Any]:
     """Write ``directory/step.pt2``; returns the manifest's ``step`` facts."""
     step = lowered.lowering.graph
     state = dict(step.named_parameters(remove_duplicate=False))

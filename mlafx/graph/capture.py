@@ -1,4 +1,6 @@
-"""Capture the step function as an FX graph with ``torch.export`` (non-strict).
+"""Capture the step function as an FX graph with ``torch.export`` (non-strict): the whole step
+(``capture_step``: inspect, the pt2 and ONNX artifacts) or one decoder layer of it
+(``capture_layer``: what the compiled engine runs, once per layer kind).
 
 Its default pre-dispatch ATen IR keeps ``scaled_dot_product_attention``, ``linear`` and the
 in-place ``index_copy_`` into the cache as single nodes, which is what the MLA matcher in
@@ -25,14 +27,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.export import Dim, ExportedProgram
 
 from mlafx.models.attention_path import AttentionPath
-from mlafx.models.deepseek import MLAForCausalLM
+from mlafx.models.deepseek import DecoderLayer, MLAForCausalLM
 from mlafx.models.moe import RoutedExperts
-from mlafx.models.step import SequenceSpan, StepInputs, build_step_inputs
+from mlafx.models.rope import rope_cos_sin
+from mlafx.models.step import (
+    SequenceSpan,
+    StepInputs,
+    StepMetadata,
+    build_step_inputs,
+    key_slots_and_mask,
+)
 
 # The sample step: (context rows, new tokens, path, draws a token) per sequence. Every kind of
 # row on both paths, with the path fixed (not left to the cost rule): an absorbed prefill
@@ -78,35 +89,130 @@ def num_sample_blocks(block_size: int) -> int:
     return 1 + len(SAMPLE_SEQUENCES) * -(-longest // block_size)
 
 
-def step_dynamic_shapes(num_layers: int) -> dict[str, object]:
-    t, b, m, k, s, nb = (Dim(n) for n in ("T", "B", "M", "K", "S", "NB"))
+def _meta_dynamic_shapes(t: Dim) -> list[dict[int, object]]:
+    """The ``StepMetadata`` fields' dynamic extents, in declaration order."""
+    b, m, k = (Dim(n) for n in ("B", "M", "K"))
     ta, ba, ts, bs, tc, bc = (Dim(n) for n in ("TA", "BA", "TS", "BS", "TC", "BC"))
+    return [
+        {0: t},  # slot_mapping
+        {0: t},  # query_seq_ids
+        {0: b, 1: m},  # block_table
+        {0: b},  # kv_lens
+        {0: b + 1},  # query_start_loc
+        {0: k},  # key_seq_ids
+        {0: k},  # key_positions
+        {0: ta},  # absorbed_token_index
+        {0: ba, 1: m},  # absorbed_block_table
+        {0: ba},  # absorbed_kv_lens
+        {0: ba + 1},  # absorbed_query_start_loc
+        {0: ts},  # split_token_index
+        {0: bs + 1},  # split_cu_seqlens
+        {0: tc},  # context_split_rows
+        {0: bc, 1: m},  # context_block_table
+        {0: bc},  # context_lens
+        {0: bc + 1},  # context_query_start_loc
+    ]
+
+
+def step_dynamic_shapes(num_layers: int) -> dict[str, object]:
+    t, s, nb = Dim("T"), Dim("S"), Dim("NB")
     return {
         "input_ids": {0: t},
         "positions": {0: t},
         "caches": [{0: nb}] * num_layers,
-        # StepMetadata fields, in declaration order
-        "meta": [
-            {0: t},  # slot_mapping
-            {0: t},  # query_seq_ids
-            {0: b, 1: m},  # block_table
-            {0: b},  # kv_lens
-            {0: b + 1},  # query_start_loc
-            {0: k},  # key_seq_ids
-            {0: k},  # key_positions
-            {0: ta},  # absorbed_token_index
-            {0: ba, 1: m},  # absorbed_block_table
-            {0: ba},  # absorbed_kv_lens
-            {0: ba + 1},  # absorbed_query_start_loc
-            {0: ts},  # split_token_index
-            {0: bs + 1},  # split_cu_seqlens
-            {0: tc},  # context_split_rows
-            {0: bc, 1: m},  # context_block_table
-            {0: bc},  # context_lens
-            {0: bc + 1},  # context_query_start_loc
-        ],
+        "meta": _meta_dynamic_shapes(t),
         "logits_indices": {0: s},
     }
+
+
+def layer_dynamic_shapes() -> dict[str, object]:
+    """:class:`LayerStep`'s inputs: the step's extents, one cache."""
+    t = Dim("T")
+    return {
+        "x": {0: t},
+        "positions": {0: t},
+        "cos": {0: t},
+        "sin": {0: t},
+        "cache": {0: Dim("NB")},
+        "meta": _meta_dynamic_shapes(t),
+    }
+
+
+class LayerStep(nn.Module):
+    """One decoder layer as a step function, the unit the compiler captures once per layer
+    kind (layers of one kind share the graph and each runs it with its own weights):
+
+        (x [T, D], positions [T], cos, sin [T, R/2] float32, cache [NB, BS, Lkv+R] (mutated),
+         meta) -> x [T, D]
+
+    The key slots and the mask the reference attention reads are derived from ``meta`` here,
+    as the whole model's forward derives them once per step (dead code once lowered)."""
+
+    def __init__(self, layer: DecoderLayer) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: torch.Tensor,
+        meta: StepMetadata,
+    ) -> torch.Tensor:
+        key_slots, mask = key_slots_and_mask(meta, positions, cache.shape[1])
+        return self.layer(x, cos, sin, cache, meta.slot_mapping, key_slots, mask)
+
+
+LAYER_PREFIX = "layer."  # LayerStep's parameter names are the decoder layer's, behind this
+
+
+@dataclass(frozen=True)
+class LayerSample:
+    """A sample input of :class:`LayerStep` (the sample step's rows, random hidden states)."""
+
+    step: StepInputs
+    x: torch.Tensor  # [T, D] model dtype
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cache: torch.Tensor  # zeroed, just large enough for the sample step
+
+    @property
+    def meta(self) -> StepMetadata:
+        return self.step.meta
+
+    def args(self, caches: list[torch.Tensor]) -> tuple:
+        """:class:`LayerStep`'s arguments around its one cache (``caches == [cache]``)."""
+        (cache,) = caches
+        return (self.x, self.step.positions, self.cos, self.sin, cache, self.step.meta)
+
+
+def sample_layer(model: MLAForCausalLM, block_size: int, seed: int = 0) -> LayerSample:
+    cfg = model.config
+    dtype = model.lm_head.weight.dtype
+    step = sample_step_inputs(block_size, cfg.vocab_size)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(step.positions), cfg.hidden_size, generator=generator).to(dtype)
+    cos, sin = rope_cos_sin(step.positions, model.rope_inv_freq, model.rope_scale)
+    cache = torch.zeros(num_sample_blocks(block_size), block_size, cfg.latent_width, dtype=dtype)
+    return LayerSample(step, x, cos, sin, cache)
+
+
+def capture_layer(model: MLAForCausalLM, layer: int, block_size: int) -> ExportedProgram:
+    """Decoder layer ``layer`` of ``model`` as a :class:`LayerStep` ExportedProgram (its
+    weights are the layer's own tensors: nothing is copied)."""
+    sample = sample_layer(model, block_size)
+    module = LayerStep(model.model.layers[layer])
+    has_experts = any(isinstance(m, RoutedExperts) for m in module.modules())
+    with (
+        experts_as_custom_op() if has_experts else contextlib.nullcontext(),
+        torch.fx.experimental._config.patch(backed_size_oblivious=True),
+        torch.no_grad(),
+    ):
+        return torch.export.export(
+            module, sample.args([sample.cache]), dynamic_shapes=layer_dynamic_shapes(), strict=False
+        )
 
 
 @contextlib.contextmanager

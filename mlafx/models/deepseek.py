@@ -16,8 +16,8 @@ from mlafx.config import ModelConfig
 from mlafx.models.attention import MLAttention
 from mlafx.models.layers import RMSNorm, SwiGLU
 from mlafx.models.moe import MoE
-from mlafx.models.rope import rope_cos_sin, rope_inv_freq
-from mlafx.models.step import StepMetadata
+from mlafx.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
+from mlafx.models.step import StepMetadata, key_slots_and_mask
 
 
 class DecoderLayer(nn.Module):
@@ -79,7 +79,7 @@ class MLAForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.rope_scale = 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.cos_sin_scale
+        self.rope_scale = rope_scale(cfg)
 
     def reset_rope(self) -> None:
         """Recompute the (non-persistent) RoPE frequencies, e.g. after ``to_empty``."""
@@ -93,14 +93,7 @@ class MLAForCausalLM(nn.Module):
         meta: StepMetadata,
         logits_indices: torch.Tensor,  # [S] int64: the tokens whose next token is sampled
     ) -> torch.Tensor:  # [S, vocab]
-        block_size = caches[0].shape[1]
-        # Built once per step, shared by every layer: where each key row lives in the paged
-        # cache, and which key rows each query may see (own sequence, not in its future).
-        key_blocks = meta.block_table[meta.key_seq_ids, meta.key_positions // block_size]
-        key_slots = key_blocks.to(torch.int64) * block_size + meta.key_positions % block_size
-        mask = (meta.query_seq_ids[:, None] == meta.key_seq_ids[None, :]) & (
-            meta.key_positions[None, :] <= positions[:, None]
-        )
+        key_slots, mask = key_slots_and_mask(meta, positions, caches[0].shape[1])
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_scale)
 
         x = self.model.embed_tokens(input_ids)

@@ -40,6 +40,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
 
 
+def rope_scale(cfg: ModelConfig) -> float:
+    """The factor ``rope_cos_sin`` multiplies cos and sin by (YaRN's, else 1)."""
+    return 1.0 if cfg.rope_scaling is None else cfg.rope_scaling.cos_sin_scale
+
+
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,6 +84,10 @@ class StepInputs:
     meta: StepMetadata
     logits_indices: torch.Tensor  # [S] int64: the last new token of each sampling sequence
 
+    def args(self, caches: list[torch.Tensor]) -> tuple:
+        """The step's arguments around ``caches``: ``step(*inputs.args(caches))``."""
+        return (self.input_ids, self.positions, caches, self.meta, self.logits_indices)
+
 
 @dataclass(frozen=True)
 class SequenceSpan:
@@ -99,6 +103,21 @@ class SequenceSpan:
     blocks: list[int]
     sample: bool = True
     path: AttentionPath | None = None
+
+
+def key_slots_and_mask(
+    meta: StepMetadata, positions: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the reference attention reads from the flat key rows: where each key row lives in
+    the paged cache (``key_slots [K]`` int64) and which rows each query may see (``mask
+    [T, K]`` bool: its own sequence, not in its future). Built once per step and shared by
+    every layer (the compiled step lowers attention onto the sub-batches instead)."""
+    key_blocks = meta.block_table[meta.key_seq_ids, meta.key_positions // block_size]
+    key_slots = key_blocks.to(torch.int64) * block_size + meta.key_positions % block_size
+    mask = (meta.query_seq_ids[:, None] == meta.key_seq_ids[None, :]) & (
+        meta.key_positions[None, :] <= positions[:, None]
+    )
+    return key_slots, mask
 
 
 def build_step_inputs(

@@ -3,6 +3,7 @@ one clean-up every pass ends with."""
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -50,6 +51,13 @@ def getitem_of(node: fx.Node, target: object) -> tuple[fx.Node, int] | None:
 def tensor_shape(node: fx.Node) -> tuple[object, ...] | None:
     val = node.meta.get("val")
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph can be rewritten on its own, sharing ``gm``'s weights: a
+    plain deep copy would copy every weight (a real MoE layer: gigabytes) once per copy."""
+    memo: dict[int, object] = {id(t): t for t in (*gm.parameters(), *gm.buffers())}
+    return copy.deepcopy(gm, memo)
 
 
 def finish(gm: fx.GraphModule) -> None:

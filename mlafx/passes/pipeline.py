@@ -10,13 +10,12 @@
     cleanup             -> dead-code elimination, lint, recompile
     verify              -> numeric check against the captured graph on a sample step whose
                            rows take both paths; a mismatch keeps the captured graph and
-                           reports why
+                           reports why (compiling it is then an error)
 Each stage's graph is kept (for ``mlafx inspect``) with its op histogram and time.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import time
@@ -27,13 +26,18 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from mlafx.models.step import StepInputs
 from mlafx.passes.find_mla_attention import find_mla_sites
-from mlafx.passes.graph_utils import finish
+from mlafx.passes.graph_utils import copy_graph, finish
 from mlafx.passes.lower_attention import lower_attention
 from mlafx.passes.lower_linears import lower_linears
 from mlafx.passes.mla_site import MLASite, Refusal, SiteLowering
-from mlafx.passes.verify import VerificationError, VerifyReport, random_caches, verify_rewrite
+from mlafx.passes.verify import (
+    Sample,
+    VerificationError,
+    VerifyReport,
+    random_caches,
+    verify_rewrite,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,23 +96,26 @@ class LoweringResult:
 
 def lower_step_graph(
     captured: fx.GraphModule,
-    sample: StepInputs,
+    sample: Sample,
     sample_caches: list[torch.Tensor],
     capture_seconds: float = 0.0,
 ) -> LoweringResult:
+    """Lower a captured graph (the whole step, or one layer: ``sample`` says which inputs it
+    takes), then verify it. A rejected rewrite is reported (``verify_error``), not raised:
+    whoever compiles must refuse it (``compile.compiled_step``), ``mlafx inspect`` shows it."""
     stages = [Stage("captured", captured, capture_seconds)]
-    gm = copy.deepcopy(captured)
+    gm = copy_graph(captured)
 
     start = time.perf_counter()
     sites, refusals = find_mla_sites(gm)
     seconds = time.perf_counter() - start
-    stages.append(Stage("find_mla_attention", copy.deepcopy(gm), seconds))
+    stages.append(Stage("find_mla_attention", copy_graph(gm), seconds))
 
     start = time.perf_counter()
     lowerings = lower_attention(gm, sites)
     finish(gm)
     seconds = time.perf_counter() - start
-    stages.append(Stage("lower_attention", copy.deepcopy(gm), seconds, len(lowerings)))
+    stages.append(Stage("lower_attention", copy_graph(gm), seconds, len(lowerings)))
 
     start = time.perf_counter()
     linears = lower_linears(gm)

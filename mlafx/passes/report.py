@@ -72,7 +72,7 @@ def lowering_report(result: LoweringResult, *, with_graphs: bool = False) -> dic
             if result.verify_error
             else {
                 "ok": True,
-                "max_abs_logit_diff": result.verify.max_abs_logit_diff,
+                "max_abs_output_diff": result.verify.max_abs_output_diff,
                 "sample_coverage": result.verify.coverage,
             }
             if result.verify

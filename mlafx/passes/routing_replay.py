@@ -12,13 +12,13 @@ need its own check.)
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
 from torch import fx
 
 import mlafx.kernels  # noqa: F401  (registers mlafx::moe_experts)
+from mlafx.passes.graph_utils import copy_graph
 
 Routing = dict[str, tuple[torch.Tensor, torch.Tensor]]  # node name -> (topk_ids, topk_weights)
 _MOE = torch.ops.mlafx.moe_experts.default
@@ -29,7 +29,7 @@ def _moe_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def _retarget(gm: fx.GraphModule, make: Callable[[str], Callable[..., torch.Tensor]]):
-    copied = copy.deepcopy(gm)
+    copied = copy_graph(gm)  # shares the weights
     for node in _moe_nodes(copied):
         node.target = make(node.name)
     copied.recompile()

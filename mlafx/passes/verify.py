@@ -6,8 +6,9 @@ latents. The lowered graph has two attention paths, chosen per row by the host, 
 sample must send prefill rows with several new tokens and context down each of them
 (decode-only inputs never exercise the causal mask, and a path no row takes is not
 checked at all); ``path_coverage`` counts what it exercises. Ensures: the sample covers
-both paths, and logits and every cache agree within the dtype's tolerance, else
-``VerificationError`` names what is missing or differs (the caller keeps the original).
+both paths, and the outputs (logits, or a layer's hidden states) and every cache agree
+within the dtype's tolerance, else ``VerificationError`` names what is missing or differs
+(the caller keeps the original).
 Expert routing is held fixed (the rewritten graph replays the original's choices,
 ``routing_replay.py``): one bf16 rounding may flip a near-tie expert choice, which is no error.
 """
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from mlafx.models.step import StepInputs, StepMetadata
+from mlafx.models.step import StepMetadata
 from mlafx.passes.routing_replay import with_fixed_routing
 
 # |a - b| <= atol + rtol * |b|, per dtype of the caches/model
@@ -36,7 +38,7 @@ class VerificationError(RuntimeError):
 
 @dataclass(frozen=True)
 class VerifyReport:
-    max_abs_logit_diff: float
+    max_abs_output_diff: float  # logits (whole step) or hidden states (a layer)
     max_abs_cache_diff: float
     coverage: dict[str, int]  # what the sample step exercised (``path_coverage``)
 
@@ -71,12 +73,24 @@ def random_caches(template: list[torch.Tensor], seed: int = 0) -> list[torch.Ten
     ]
 
 
+class Sample(Protocol):
+    """What a graph is verified on: the whole step's inputs (``StepInputs``) or one layer's
+    (``graph.capture.LayerSample``)."""
+
+    @property
+    def meta(self) -> StepMetadata: ...
+
+    def args(self, caches: list[torch.Tensor]) -> tuple: ...
+
+
 def verify_rewrite(
     original: Callable[..., torch.Tensor],
     rewritten: Callable[..., torch.Tensor],
-    sample: StepInputs,
+    sample: Sample,
     caches: list[torch.Tensor],
 ) -> VerifyReport:
+    """Run both graphs as ``fn(*sample.args(own_caches))`` from copies of ``caches``: the
+    whole step (output: the logits) or one layer (output: its hidden states)."""
     coverage = path_coverage(sample.meta)
     check_coverage(coverage)
     dtype = caches[0].dtype
@@ -85,14 +99,14 @@ def verify_rewrite(
     for fn in with_fixed_routing(original, rewritten):  # the original runs first
         own = [c.clone() for c in caches]
         with torch.no_grad():
-            logits = fn(sample.input_ids, sample.positions, own, sample.meta, sample.logits_indices)
-        results.append((logits.float(), [c.float() for c in own]))
+            output = fn(*sample.args(own))
+        results.append((output.float(), [c.float() for c in own]))
     (want, want_caches), (got, got_caches) = results
-    logit_diff = (got - want).abs()
-    if not torch.all(logit_diff <= atol + rtol * want.abs()):
+    output_diff = (got - want).abs()
+    if not torch.all(output_diff <= atol + rtol * want.abs()):
         raise VerificationError(
-            f"rewritten step's logits differ from the original's by up to {logit_diff.max():.3g} "
-            f"(tolerance {atol} + {rtol}·|x|, {dtype})"
+            f"rewritten graph's output differs from the original's by up to "
+            f"{output_diff.max():.3g} (tolerance {atol} + {rtol}·|x|, {dtype})"
         )
     cache_diff = 0.0
     for layer, (a, b) in enumerate(zip(want_caches, got_caches, strict=True)):
@@ -100,8 +114,8 @@ def verify_rewrite(
         # relative too: one bf16 rounding of a cached value of magnitude 8 is 0.0625
         if not torch.all(diff <= atol + rtol * a.abs()):
             raise VerificationError(
-                f"layer {layer}: caches differ by up to {diff.max():.3g} after the step "
+                f"cache {layer}: caches differ by up to {diff.max():.3g} after the step "
                 f"(tolerance {atol} + {rtol}·|x|, {dtype})"
             )
         cache_diff = max(cache_diff, diff.max().item())
-    return VerifyReport(logit_diff.max().item(), cache_diff, coverage)
+    return VerifyReport(output_diff.max().item(), cache_diff, coverage)

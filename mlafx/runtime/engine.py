@@ -48,10 +48,13 @@ class LLM:
     ``config.json`` and safetensors weights (``load_format="auto"``); ``"dummy"`` fills
     seeded random weights. ``hf_overrides`` is applied over config.json before validation.
     ``compile=True`` (the default) serves the captured, MLA-lowered, AOTInductor-compiled
-    step (compiled once per config and cached on disk); ``compile=False`` runs the plain
-    reference model eagerly. The serving options are ``ServingOptions``'s. ``kv_connector``
-    is a store spec (``"disk:PATH"``, ``"redis://HOST:PORT"``) or a ``KVConnector`` built
-    for this engine's ``cache_fingerprint`` and block size.
+    step (one package per layer kind, compiled once and cached on disk; the model keeps only
+    the weights the compiled step reads); ``compile=False`` runs the plain reference model
+    eagerly. A lowering that fails verification is an error; ``allow_unlowered=True`` serves
+    the captured, unlowered layers instead (loudly; far slower). The serving options are
+    ``ServingOptions``'s. ``kv_connector`` is a store spec (``"disk:PATH"``,
+    ``"redis://HOST:PORT"``) or a ``KVConnector`` built for this engine's
+    ``cache_fingerprint`` and block size.
 
     Offline: ``generate(prompts, params)``. Incremental (a server's loop):
     ``add_request`` -> ``step()`` until ``has_unfinished_requests()`` is False;
@@ -87,6 +90,7 @@ class LLM:
         progress: bool = True,
         compile: bool = True,
         compile_cache_dir: str | Path | None = None,
+        allow_unlowered: bool = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_local_ranks: int | None = None,
     ) -> None:
@@ -157,7 +161,13 @@ class LLM:
                 from mlafx.compile.compiled_step import compile_step
 
                 cache_dir = None if compile_cache_dir is None else Path(compile_cache_dir)
-                self.compiled = compile_step(self.model, block_size, cache_dir=cache_dir)
+                self.compiled = compile_step(
+                    self.model,
+                    block_size,
+                    cache_dir=cache_dir,
+                    allow_unlowered=allow_unlowered,
+                    release_replaced_weights=True,
+                )
                 step_fn = self.compiled
             tokenizer = None if model in PRESETS else load_tokenizer(model)
             self._start(cfg, step_fn, dtype, options, tokenizer, connector)
@@ -230,6 +240,7 @@ class LLM:
         seed: int = 0,
         compile: bool = True,
         compile_cache_dir: str | Path | None = None,
+        allow_unlowered: bool = False,
     ) -> LLM:
         """Serve a ``transformers`` DeepSeek-V2/V3-family model object (on the CPU) in its
         own dtype: its tensors are adopted by mlafx's model, not copied (see
@@ -261,7 +272,9 @@ class LLM:
             from mlafx.compile.compiled_step import compile_step
 
             cache_dir = None if compile_cache_dir is None else Path(compile_cache_dir)
-            llm.compiled = step_fn = compile_step(model, block_size, cache_dir=cache_dir)
+            llm.compiled = step_fn = compile_step(
+                model, block_size, cache_dir=cache_dir, allow_unlowered=allow_unlowered
+            )
         llm._start(cfg, step_fn, dtype, options, None, connector)
         return llm
 
