@@ -133,10 +133,12 @@ def package_path(
 
 @dataclass(frozen=True)
 class LoweredGraph:
-    """A lowered graph as an ExportedProgram (dynamic extents), with the pass report."""
+    """A lowered graph as an ExportedProgram (dynamic extents), with the pass report and the
+    sample arguments it was traced with."""
 
     program: torch.export.ExportedProgram
     lowering: LoweringResult
+    sample_args: tuple
 
 
 @dataclass(frozen=True)
@@ -186,8 +188,8 @@ def lower_layer(
         )
     else:
         _checked(lowering, f"layer kind {kind.name} (layers {list(kind.layers)})")
-    program = _export(lowering.graph, sample.args([sample.cache]), layer_dynamic_shapes())
-    return LoweredGraph(program, lowering)
+    args = sample.args([sample.cache])
+    return LoweredGraph(_export(lowering.graph, args, layer_dynamic_shapes()), lowering, args)
 
 
 def lower_step(model: MLAForCausalLM, block_size: int) -> LoweredGraph:
@@ -199,12 +201,9 @@ def lower_step(model: MLAForCausalLM, block_size: int) -> LoweredGraph:
     captured = capture_step(model, block_size)
     lowering = lower_step_graph(captured.module(), sample, caches, time.perf_counter() - start)
     _checked(lowering, "the step")
-    program = _export(
-        lowering.graph,
-        sample.args(caches),
-        step_dynamic_shapes(model.config.num_hidden_layers),
-    )
-    return LoweredGraph(program, lowering)
+    args = sample.args(caches)
+    program = _export(lowering.graph, args, step_dynamic_shapes(model.config.num_hidden_layers))
+    return LoweredGraph(program, lowering, args)
 
 
 def build_aoti_package(program: torch.export.ExportedProgram, package: Path) -> None:
@@ -326,12 +325,11 @@ class CompiledStep:
         constants: dict[str, torch.Tensor],
         packages: list[LayerPackage],
         *,
-        compile_seconds: float = 0.0,
         release: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.packages = packages
-        self.compile_seconds = compile_seconds
+        self.compile_seconds = 0.0  # set by compile_step
         kinds = kind_of_layers([p.kind for p in packages], config.num_hidden_layers)
         self.layers: list[PackageRunner] = []
         for layer, kind in enumerate(kinds):
@@ -395,13 +393,14 @@ def compile_step(
         layer_package(model, kind, block_size, cache_dir, allow_unlowered=allow_unlowered)
         for kind in layer_kinds(model)
     ]
-    return CompiledStep(
+    step = CompiledStep(
         model.config,
         model_constants(model),
         packages,
-        compile_seconds=time.perf_counter() - start,
         release=(lambda name: release_weight(model, name)) if release_replaced_weights else None,
     )
+    step.compile_seconds = time.perf_counter() - start  # compiling (or finding) and loading
+    return step
 
 
 def release_weight(model: torch.nn.Module, name: str) -> None:
