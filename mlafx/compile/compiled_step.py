@@ -82,6 +82,7 @@ class LoweredStep:
 class CompiledStep:
     """Callable like the model: ``step(input_ids, positions, caches, meta, logits_indices)``."""
 
+    reads_key_rows = False  # StepFn: its kernels read the per-sequence fields, not the key rows
     runner: object
     lowering: LoweringResult | None  # None when the package came from the cache
     package: Path

@@ -17,7 +17,7 @@ from mlafx.models.attention import MLAttention
 from mlafx.models.layers import RMSNorm, SwiGLU
 from mlafx.models.moe import MoE
 from mlafx.models.rope import rope_cos_sin, rope_inv_freq
-from mlafx.models.step import StepMetadata
+from mlafx.models.step import StepMetadata, check_key_rows
 
 
 class DecoderLayer(nn.Module):
@@ -71,6 +71,9 @@ class Backbone(nn.Module):
 
 
 class MLAForCausalLM(nn.Module):
+    # StepFn: the reference attention derives its key slots and mask from the flat key rows
+    reads_key_rows = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -93,6 +96,8 @@ class MLAForCausalLM(nn.Module):
         meta: StepMetadata,
         logits_indices: torch.Tensor,  # [S] int64: the tokens whose next token is sampled
     ) -> torch.Tensor:  # [S, vocab]
+        if not torch.compiler.is_compiling():  # export traces a sample that has them
+            check_key_rows(meta)  # inputs built without them would attend to no keys
         block_size = caches[0].shape[1]
         # Built once per step, shared by every layer: where each key row lives in the paged
         # cache, and which key rows each query may see (own sequence, not in its future).
