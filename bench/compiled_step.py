@@ -26,11 +26,11 @@ if str(ROOT) not in sys.path:
 from bench.roofline import median_seconds  # noqa: E402
 from mlafx.compile.compiled_step import compile_step  # noqa: E402
 from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES  # noqa: E402
-from mlafx.models.step import SequenceSpan, build_step_inputs  # noqa: E402
+from mlafx.models.step import SequenceSpan, StepFn, build_step_inputs  # noqa: E402
 from mlafx.runtime import LLM  # noqa: E402
 
 
-def decode_step(batch: int, context: int, block_size: int, vocab: int):  # type: ignore[no-untyped-def]
+def decode_spans(batch: int, context: int, block_size: int, vocab: int):  # type: ignore[no-untyped-def]
     per_seq = -(-(context + 1) // block_size)
     spans = [
         SequenceSpan(
@@ -41,7 +41,7 @@ def decode_step(batch: int, context: int, block_size: int, vocab: int):  # type:
         )
         for b in range(batch)
     ]
-    return build_step_inputs(spans, block_size), 1 + batch * per_seq
+    return spans, 1 + batch * per_seq
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.context = 2, 128
-    inputs, num_blocks = decode_step(args.batch, args.context, args.block_size, 102400)
+    spans, num_blocks = decode_spans(args.batch, args.context, args.block_size, 102400)
     llm = LLM(
         EMBEDDED_DEFAULT_MODEL,
         load_format="dummy",
@@ -69,13 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     for cache in llm.kv_caches:  # random context rows
         cache.copy_(torch.randn(cache.shape, generator=gen).to(cache.dtype))
-    step_args = (
-        inputs.input_ids,
-        inputs.positions,
-        llm.kv_caches,
-        inputs.meta,
-        inputs.logits_indices,
-    )
+
+    def step_args(step: StepFn) -> tuple:
+        """The step's arguments; the key rows only for a step that reads them."""
+        inputs = build_step_inputs(spans, args.block_size, key_rows=step.reads_key_rows)
+        meta = inputs.meta
+        return (inputs.input_ids, inputs.positions, llm.kv_caches, meta, inputs.logits_indices)
+
     with tempfile.TemporaryDirectory() as cache_dir:
         start = time.perf_counter()
         compiled = compile_step(llm.model, args.block_size, cache_dir=Path(cache_dir))
@@ -83,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         compile_step(llm.model, args.block_size, cache_dir=Path(cache_dir))
         warm = time.perf_counter() - start
+        reference_args, compiled_args = step_args(llm.model), step_args(compiled)
         with torch.inference_mode():
-            reference_s = median_seconds(lambda: llm.model(*step_args), repeats=5)
-            compiled_s = median_seconds(lambda: compiled(*step_args), repeats=9)
+            reference_s = median_seconds(lambda: llm.model(*reference_args), repeats=5)
+            compiled_s = median_seconds(lambda: compiled(*compiled_args), repeats=9)
     result = {
         "batch": args.batch,
         "context": args.context,

@@ -438,6 +438,7 @@ BENCHMARKS = {
     "e2e": "e2e/main.py",
     "tensor-parallel": "tensor_parallel.py",
     "real-size": "real_size.py",
+    "host-step-inputs": "host_step_inputs.py",
 }
 
 

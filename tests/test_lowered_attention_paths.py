@@ -4,11 +4,13 @@ chunks with context (split), and steps where a sub-batch is empty, has one row o
 
 Everything runs through one AOTInductor package compiled once: a package cannot recompile
 (a step outside its exported shape ranges raises), so every step passing is the check that
-none needed a recompile. The un-compiled lowered graph is compared as well.
+none needed a recompile. The un-compiled lowered graph is compared as well. Both run each
+step with and without the key rows (K = 0, as the engine builds a compiled step's inputs).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -63,7 +65,9 @@ def lowered_graph(model):
     return result.graph
 
 
-def step_inputs(shares: list[tuple[int, int]], threshold: float, seed: int) -> StepInputs:
+def step_inputs(
+    shares: list[tuple[int, int]], threshold: float, seed: int, key_rows: bool = True
+) -> StepInputs:
     rng = random.Random(seed)
     free = list(range(1, NUM_BLOCKS))  # block 0 reserved
     rng.shuffle(free)
@@ -72,7 +76,7 @@ def step_inputs(shares: list[tuple[int, int]], threshold: float, seed: int) -> S
         blocks = [free.pop() for _ in range(-(-(context + new) // BLOCK_SIZE))]
         ids = [rng.randrange(2, 256) for _ in range(new)]
         spans.append(SequenceSpan(ids, context, context + new, blocks, path=next(iter(path), None)))
-    return build_step_inputs(spans, BLOCK_SIZE, absorb_threshold=threshold)
+    return build_step_inputs(spans, BLOCK_SIZE, absorb_threshold=threshold, key_rows=key_rows)
 
 
 def run(step, inputs: StepInputs, caches: list[torch.Tensor]) -> torch.Tensor:
@@ -98,9 +102,12 @@ def test_both_paths_match_the_reference(model, compiled, lowered_graph, name):
     start = random_caches(template, seed=7)
     want_caches = [c.clone() for c in start]
     want = run(model, inputs, want_caches)
-    for step in (compiled, lowered_graph):
+    # the lowered steps ignore the key rows: the host leaves them out for them (K = 0)
+    without_key_rows = step_inputs(shares, threshold, seed=len(name), key_rows=False)
+    assert without_key_rows.meta.key_seq_ids.numel() == 0 < inputs.meta.key_seq_ids.numel()
+    for step, step_in in itertools.product((compiled, lowered_graph), (inputs, without_key_rows)):
         got_caches = [c.clone() for c in start]
-        got = run(step, inputs, got_caches)
+        got = run(step, step_in, got_caches)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         for a, b in zip(got_caches, want_caches, strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

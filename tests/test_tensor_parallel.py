@@ -104,7 +104,9 @@ def tp2_compiled():
 
 def test_compiled_tp2_greedy_matches_one_process(tp2_compiled):
     """Batched, chunked (budget 24 tokens), prefix-cached serving on two compiled ranks
-    against each prompt alone in one process (reference model)."""
+    against each prompt alone in one process (reference model). Compiled ranks ignore the
+    key rows, so the driver neither builds nor ships them."""
+    assert tp2_compiled.workers.reads_key_rows is False
     prompts = random_prompts(5, 3, 40, seed=9)
     prompts.append(prompts[0] + [7, 8, 9, 10, 11])  # a prefix-cache hit
     refs = reference_alone(prompts, max_tokens=12)
@@ -179,6 +181,7 @@ def test_tp2_with_a_remote_rank_matches_transformers_on_a_v3_checkpoint(tmp_path
             tensor_parallel_local_ranks=1,
         )
         try:
+            assert llm.workers.reads_key_rows  # reference ranks: the driver sends them
             outputs = llm.generate(PROMPTS, greedy_params(NEW_TOKENS))
         finally:
             llm.close()

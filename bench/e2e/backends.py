@@ -21,7 +21,7 @@ import torch
 
 from mlafx.config import ModelConfig
 from mlafx.models.attention_path import absorb_threshold
-from mlafx.models.step import SequenceSpan, build_step_inputs
+from mlafx.models.step import SequenceSpan, StepFn, build_step_inputs
 
 Run = Callable[[], object]
 
@@ -41,7 +41,7 @@ class MlafxStep:
     """One of mlafx's step functions over the engine's own KV cache tensors."""
 
     name: str
-    step_fn: Callable[..., torch.Tensor]
+    step_fn: StepFn
     caches: list[torch.Tensor]  # per layer: [num_blocks, block_size, Lkv + R]
     config: ModelConfig
     block_size: int
@@ -56,7 +56,12 @@ class MlafxStep:
         if need > self.caches[0].shape[0]:
             held = self.caches[0].shape[0]
             raise ValueError(f"{self.name}: {need} KV blocks needed, the cache holds {held}")
-        inputs = build_step_inputs(spans, self.block_size, absorb_threshold(self.config))
+        inputs = build_step_inputs(
+            spans,
+            self.block_size,
+            absorb_threshold(self.config),
+            key_rows=self.step_fn.reads_key_rows,
+        )
         args = (inputs.input_ids, inputs.positions, self.caches, inputs.meta)
         return lambda: self.step_fn(*args, inputs.logits_indices)
 

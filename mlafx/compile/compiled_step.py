@@ -312,12 +312,15 @@ def layer_constants(constants: dict[str, torch.Tensor], layer: int) -> dict[str,
 
 class CompiledStep:
     """Callable like the model: ``step(input_ids, positions, caches, meta, logits_indices)``.
+    Its kernels read the per-sequence fields of ``meta``, not the key rows (``StepFn``).
 
     ``constants``: the model's weights and buffers by their FQNs (``model_constants``).
     ``release(name)``, if given, is called for every weight no loaded package and no end of
     the step reads (a source a derived constant replaced), once its layer is loaded: the
     caller drops its own reference, so that only one copy of each weight stays.
     """
+
+    reads_key_rows = False
 
     def __init__(
         self,

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,12 +53,12 @@ from mlafx.export.manifest import (
 from mlafx.export.weights import WEIGHTS_FILE, load_weights, save_weights
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.loader import DTYPES, LoadFormat, build_model
+from mlafx.models.step import StepFn
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.json"
 # which runner serves each format; "onnxruntime" is the only engine for ONNX
 ENGINES = {"aoti": "torch", "pt2": "torch", "onnx": "onnxruntime"}
-StepFn = Callable[..., torch.Tensor]
 
 
 @contextlib.contextmanager

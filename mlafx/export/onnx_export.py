@@ -169,6 +169,8 @@ def _same_tensor(init: Any, target: StoredTensor) -> bool:
 class OnnxStep:
     """The step ABI over an onnxruntime session of the functional step (see module doc)."""
 
+    reads_key_rows = False  # StepFn: its attention derives the key rows from the block tables
+
     def __init__(self, path: Path, input_names: list[str], threads: int | None = None) -> None:
         import onnxruntime as ort
 

@@ -67,6 +67,8 @@ def export_pt2(lowered: LoweredGraph, directory: Path) -> dict[str, Any]:
 class Pt2Step:
     """The step ABI over a loaded ``step.pt2`` and its weights."""
 
+    reads_key_rows = False  # StepFn: the lowered graph reads the per-sequence fields
+
     def __init__(self, path: Path, weights: dict[str, torch.Tensor], names: list[str]) -> None:
         weights = with_derived_constants(weights, names)  # derived at load time, never stored
         missing = sorted(set(names) - set(weights))

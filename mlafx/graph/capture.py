@@ -9,7 +9,7 @@ in-place ``index_copy_`` into the cache as single nodes, which is what the MLA m
     T  new tokens       input_ids, positions, slot_mapping, query_seq_ids
     B  sequences        block_table rows, kv_lens; B+1 for query_start_loc
     M  block-table columns (every block table)
-    K  key rows read    key_seq_ids, key_positions
+    K  key rows read    key_seq_ids, key_positions (0 for a step that does not read them)
     S  sampled tokens   logits_indices
     NB cache blocks     every cache's first dim
     TA, BA  absorbed sub-batch rows, sequences    (absorbed_*)
@@ -80,7 +80,8 @@ def sample_step_inputs(block_size: int, vocab_size: int) -> StepInputs:
         )
         for seq, (context, new, path, sample) in enumerate(SAMPLE_SEQUENCES)
     ]
-    return build_step_inputs(spans, block_size)
+    # with the key rows: the capture traces, and verify runs, the reference model on it
+    return build_step_inputs(spans, block_size, key_rows=True)
 
 
 def num_sample_blocks(block_size: int) -> int:

@@ -17,7 +17,7 @@ from mlafx.models.attention import MLAttention
 from mlafx.models.layers import RMSNorm, SwiGLU
 from mlafx.models.moe import MoE
 from mlafx.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
-from mlafx.models.step import StepMetadata, key_slots_and_mask
+from mlafx.models.step import StepMetadata, check_key_rows, key_slots_and_mask
 
 
 class DecoderLayer(nn.Module):
@@ -71,6 +71,9 @@ class Backbone(nn.Module):
 
 
 class MLAForCausalLM(nn.Module):
+    # StepFn: the reference attention derives its key slots and mask from the flat key rows
+    reads_key_rows = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -93,6 +96,8 @@ class MLAForCausalLM(nn.Module):
         meta: StepMetadata,
         logits_indices: torch.Tensor,  # [S] int64: the tokens whose next token is sampled
     ) -> torch.Tensor:  # [S, vocab]
+        if not torch.compiler.is_compiling():  # export traces a sample that has them
+            check_key_rows(meta)  # inputs built without them would attend to no keys
         key_slots, mask = key_slots_and_mask(meta, positions, caches[0].shape[1])
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_scale)
 

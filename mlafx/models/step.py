@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from mlafx.models.attention_path import AttentionPath, choose_path
@@ -32,9 +34,11 @@ class StepMetadata:
     key_seq_ids      [K] int64    step-local sequence index of each key row this step reads
     key_positions    [K] int64    position in its sequence of each key row
     The key rows of sequence b are its positions ``0 .. kv_lens[b] - 1`` (context plus the
-    step's new tokens); a query at position p sees the rows of its own sequence with
-    position <= p. The reference model reads the flat key rows; the lowered kernels read
-    ``block_table``/``kv_lens``/``query_start_loc`` (the same facts, per sequence).
+    step's new tokens; K = sum of kv_lens); a query at position p sees the rows of its own
+    sequence with position <= p. The reference model reads the flat key rows; the lowered
+    kernels read ``block_table``/``kv_lens``/``query_start_loc`` (the same facts, per
+    sequence), so steps that do not read them (``StepFn.reads_key_rows`` False) get K = 0:
+    the key rows are the only fields that grow with the cached tokens.
 
     The host's choice of compute path per sequence (``mlafx.models.attention_path``) splits
     the batch into two sub-batches, each sequence-contiguous and in step order:
@@ -89,6 +93,24 @@ class StepInputs:
         return (self.input_ids, self.positions, caches, self.meta, self.logits_indices)
 
 
+class StepFn(Protocol):
+    """A step the engine runs: the reference model, a compiled package, an artifact's runner,
+    or the tensor-parallel driver. ``reads_key_rows``: whether it reads ``meta.key_seq_ids``
+    and ``key_positions`` (only the reference model does); the host builds them only for a
+    step that does (``build_step_inputs(..., key_rows=step.reads_key_rows)``)."""
+
+    reads_key_rows: bool
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        caches: list[torch.Tensor],  # per layer [NB, BS, Lkv+R], written in place
+        meta: StepMetadata,
+        logits_indices: torch.Tensor,  # [S] int64
+    ) -> torch.Tensor: ...  # [S, vocab]
+
+
 @dataclass(frozen=True)
 class SequenceSpan:
     """One sequence's share of a step: compute positions ``start .. end-1``, whose token ids
@@ -121,48 +143,73 @@ def key_slots_and_mask(
 
 
 def build_step_inputs(
-    spans: list[SequenceSpan], block_size: int, absorb_threshold: float | None = None
+    spans: list[SequenceSpan],
+    block_size: int,
+    absorb_threshold: float | None = None,
+    *,
+    key_rows: bool = True,
 ) -> StepInputs:
     """The host side of the step ABI: index tensors for a batch of sequences.
 
     A span without a fixed ``path`` takes ``choose_path(start, end - start,
     absorb_threshold)``; without a threshold it is absorbed (one exact pass for any row,
-    the choice for callers that do not tune the compiled step)."""
-    input_ids: list[int] = []
-    positions, query_seq, key_seq, key_pos = [], [], [], []
-    logits_indices: list[int] = []
-    block_table = torch.zeros(len(spans), max(len(s.blocks) for s in spans), dtype=torch.int32)
+    the choice for callers that do not tune the compiled step).
+
+    ``key_rows``: build ``key_seq_ids``/``key_positions``, one row per cached token of every
+    sequence, for a step that reads them (``StepFn.reads_key_rows``: the reference model).
+    Without them both are empty (K = 0) and the work is O(batch + new tokens) tensor ops,
+    plus copying each sequence's block ids into ``block_table`` (one id per cached block)."""
     for b, span in enumerate(spans):
         if len(span.new_token_ids) != span.end - span.start or span.start >= span.end:
             raise ValueError(f"sequence {b}: bad span {span.start}..{span.end}")
-        input_ids += span.new_token_ids
-        positions.append(torch.arange(span.start, span.end, dtype=torch.int64))
-        query_seq.append(torch.full((span.end - span.start,), b, dtype=torch.int64))
-        key_pos.append(torch.arange(span.end, dtype=torch.int64))
-        key_seq.append(torch.full((span.end,), b, dtype=torch.int64))
-        block_table[b, : len(span.blocks)] = torch.tensor(span.blocks, dtype=torch.int32)
-        if span.sample:
-            logits_indices.append(len(input_ids) - 1)
-    pos = torch.cat(positions)
-    seq_ids = torch.cat(query_seq)
+    new = [s.end - s.start for s in spans]
+    ends = [s.end for s in spans]
+    block_table = _block_table(spans)
+    seq_ids = _sequence_ids(new)
+    pos = _concat_ranges([s.start for s in spans], new)
     blocks = block_table[seq_ids, pos // block_size].to(torch.int64)
+    last_tokens = [end - 1 for end in itertools.accumulate(new)]  # of each sequence
+    if key_rows:
+        key_seq_ids, key_positions = _sequence_ids(ends), _concat_ranges([0] * len(spans), ends)
+    else:  # K = 0: the captured graphs take K as a dynamic extent and lowered ones ignore it
+        key_seq_ids, key_positions = (torch.empty(0, dtype=torch.int64) for _ in range(2))
     paths = [_path_of(span, absorb_threshold) for span in spans]
     meta = StepMetadata(
         slot_mapping=blocks * block_size + pos % block_size,
         query_seq_ids=seq_ids,
         block_table=block_table,
-        kv_lens=torch.tensor([s.end for s in spans], dtype=torch.int32),
-        query_start_loc=_starts([s.end - s.start for s in spans]),
-        key_seq_ids=torch.cat(key_seq),
-        key_positions=torch.cat(key_pos),
+        kv_lens=torch.tensor(ends, dtype=torch.int32),
+        query_start_loc=_starts(new),
+        key_seq_ids=key_seq_ids,
+        key_positions=key_positions,
         **_sub_batches(spans, paths, block_table),
     )
     return StepInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        input_ids=torch.tensor(
+            [t for span in spans for t in span.new_token_ids], dtype=torch.int64
+        ),
         positions=pos,
         meta=meta,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        logits_indices=torch.tensor(
+            [t for t, span in zip(last_tokens, spans, strict=True) if span.sample],
+            dtype=torch.int64,
+        ),
     )
+
+
+def check_key_rows(meta: StepMetadata) -> None:
+    """Raise ``ValueError`` unless ``meta`` holds the flat key rows (K = sum of ``kv_lens``),
+    which a step that reads them needs: inputs built with ``key_rows=False`` have K = 0, and
+    attention over them would silently see no keys."""
+    want = int(meta.kv_lens.sum())
+    got = (meta.key_seq_ids.shape[0], meta.key_positions.shape[0])
+    if got != (want, want):
+        raise ValueError(
+            f"the step's key rows (key_seq_ids, key_positions: {got[0]}, {got[1]} rows) do "
+            f"not cover its sequences' {want} cached tokens (the sum of kv_lens): this step "
+            "reads them (reads_key_rows); build its inputs with "
+            "build_step_inputs(..., key_rows=True)"
+        )
 
 
 def _path_of(span: SequenceSpan, absorb_threshold: float | None) -> AttentionPath:
@@ -178,26 +225,42 @@ def _starts(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
 
 
-def _rows(ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """[sum of lengths] int64: the concatenated ``range(first, end)`` of each pair."""
-    return torch.tensor([i for first, end in ranges for i in range(first, end)], dtype=torch.int64)
+def _sequence_ids(lengths: list[int]) -> torch.Tensor:
+    """[sum of lengths] int64: ``i`` repeated ``lengths[i]`` times, for each i."""
+    counts = torch.tensor(lengths, dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(lengths)), counts, output_size=sum(lengths))
+
+
+def _concat_ranges(firsts: list[int], lengths: list[int]) -> torch.Tensor:
+    """[sum of lengths] int64: the concatenated ``range(firsts[i], firsts[i] + lengths[i])``,
+    in a fixed number of tensor ops (no Python work per row)."""
+    counts = torch.tensor(lengths, dtype=torch.int64)
+    # row j of range i is (its index in the output) - (range i's offset there) + firsts[i]
+    shift = torch.tensor(firsts, dtype=torch.int64) - (torch.cumsum(counts, 0) - counts)
+    total = sum(lengths)
+    return torch.arange(total) + torch.repeat_interleave(shift, counts, output_size=total)
+
+
+def _block_table(spans: list[SequenceSpan]) -> torch.Tensor:
+    """[B, M] int32: each sequence's block ids, zero-padded to the longest. numpy converts
+    the Python ids ~4x faster than ``torch.tensor`` (17 vs 60 ns an id here), and the block
+    ids are the one input that grows with the cached tokens (one id per block)."""
+    table = np.zeros((len(spans), max(len(s.blocks) for s in spans)), dtype=np.int32)
+    for b, span in enumerate(spans):
+        table[b, : len(span.blocks)] = span.blocks
+    return torch.from_numpy(table)
 
 
 def _sub_batches(
     spans: list[SequenceSpan], paths: list[AttentionPath], block_table: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """The absorbed, split and context-half sub-batches of ``StepMetadata``."""
-    token_ranges, first = [], 0
-    for span in spans:
-        token_ranges.append((first, first + span.end - span.start))
-        first += span.end - span.start
+    new = [s.end - s.start for s in spans]
+    first_token = [0, *itertools.accumulate(new)]  # of each sequence, in step order
     absorbed = [b for b, path in enumerate(paths) if path is AttentionPath.ABSORBED]
     split = [b for b, path in enumerate(paths) if path is AttentionPath.SPLIT]
-    # rows of each split sequence within the split sub-batch
-    split_ranges, first = [], 0
-    for b in split:
-        split_ranges.append((first, first + spans[b].end - spans[b].start))
-        first += spans[b].end - spans[b].start
+    split_new = [new[b] for b in split]
+    first_split_row = [0, *itertools.accumulate(split_new)]  # within the split sub-batch
     with_context = [i for i, b in enumerate(split) if spans[b].start > 0]
     context = [split[i] for i in with_context]
 
@@ -205,16 +268,20 @@ def _sub_batches(
         return block_table[torch.tensor(seqs, dtype=torch.int64)]
 
     return {
-        "absorbed_token_index": _rows([token_ranges[b] for b in absorbed]),
+        "absorbed_token_index": _concat_ranges(
+            [first_token[b] for b in absorbed], [new[b] for b in absorbed]
+        ),
         "absorbed_block_table": table_rows(absorbed),
         "absorbed_kv_lens": torch.tensor([spans[b].end for b in absorbed], dtype=torch.int32),
-        "absorbed_query_start_loc": _starts([spans[b].end - spans[b].start for b in absorbed]),
-        "split_token_index": _rows([token_ranges[b] for b in split]),
-        "split_cu_seqlens": _starts([spans[b].end - spans[b].start for b in split]),
-        "context_split_rows": _rows([split_ranges[i] for i in with_context]),
+        "absorbed_query_start_loc": _starts([new[b] for b in absorbed]),
+        "split_token_index": _concat_ranges([first_token[b] for b in split], split_new),
+        "split_cu_seqlens": _starts(split_new),
+        "context_split_rows": _concat_ranges(
+            [first_split_row[i] for i in with_context], [split_new[i] for i in with_context]
+        ),
         "context_block_table": table_rows(context),
         "context_lens": torch.tensor([spans[b].start for b in context], dtype=torch.int32),
-        "context_query_start_loc": _starts([spans[b].end - spans[b].start for b in context]),
+        "context_query_start_loc": _starts([new[b] for b in context]),
     }
 
 

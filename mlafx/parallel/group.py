@@ -109,6 +109,9 @@ class WorkerGroup:
         if not 1 <= local_ranks <= world_size:
             raise ValueError(f"local ranks must be in 1..{world_size}, got {local_ranks}")
         self.world_size = world_size
+        # StepFn: compiled ranks' kernels ignore the key rows, so the driver neither builds
+        # nor ships them; reference ranks (compile=False) read them
+        self.reads_key_rows = not spec.compile
         self._failure: str | None = None
         self._workers = _Workers()
         self._finalizer = weakref.finalize(self, self._workers.shutdown, False)

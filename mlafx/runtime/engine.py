@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +20,11 @@ import torch
 from mlafx.config import ModelConfig, check_fits_in_memory
 from mlafx.config.presets import PRESETS
 from mlafx.models.loader import DTYPES, LoadFormat, build_model, torch_dtype
+from mlafx.models.step import StepFn
 from mlafx.parallel import WorkerGroup, check_shardable, start_workers
 from mlafx.runtime.block_hash import cache_fingerprint
 from mlafx.runtime.block_manager import BlockManager
-from mlafx.runtime.engine_core import EngineCore, StepFn
+from mlafx.runtime.engine_core import EngineCore
 from mlafx.runtime.kv_connector.base import KVConnector
 from mlafx.runtime.options import ServingOptions
 from mlafx.runtime.request import Request
@@ -288,14 +289,15 @@ class LLM:
         kv_connector: KVConnector | None,
     ) -> None:
         """Everything but the model: the cache, the scheduler and the engine loop, serving
-        ``step_fn`` (``(input_ids, positions, caches, meta, logits_indices) -> logits``)."""
+        ``step_fn`` (``(input_ids, positions, caches, meta, logits_indices) -> logits``; its
+        ``reads_key_rows`` says whether the host builds it the key rows, ``StepFn``)."""
         self.config = config
         self.dtype = torch_dtype(dtype)
         self.block_size = options.block_size
         self.max_model_len = options.resolved_max_model_len(config)
         self.seed = options.seed
         self.tokenizer = tokenizer
-        self.step_fn: Callable[..., torch.Tensor] = step_fn
+        self.step_fn: StepFn = step_fn
         self.cache_fingerprint = cache_fingerprint(config, dtype, options.block_size)
         num_blocks = options.num_blocks(config, dtype)
         self.engine = EngineCore(

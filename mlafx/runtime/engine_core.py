@@ -9,12 +9,12 @@ retire finished requests.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import torch
 
 from mlafx.config import ModelConfig
 from mlafx.models.attention_path import absorb_threshold
+from mlafx.models.step import StepFn
 from mlafx.runtime.block_manager import BlockManager
 from mlafx.runtime.kv_connector.base import KVConnector
 from mlafx.runtime.kv_transfer import KVTransfer
@@ -23,8 +23,6 @@ from mlafx.runtime.request import Request
 from mlafx.runtime.sampler import Sample, sample
 from mlafx.runtime.scheduler import Scheduler
 from mlafx.runtime.step_inputs import step_inputs_for
-
-StepFn = Callable[..., torch.Tensor]  # (input_ids, positions, caches, meta, logits_indices)
 
 
 class EngineCore:
@@ -51,6 +49,8 @@ class EngineCore:
         where these tensors are not the ones the step reads."""
         self.config = config
         self.step_fn = step_fn
+        # only a step that reads them gets the key rows (one per cached token of the batch)
+        self.key_rows = step_fn.reads_key_rows
         self.block_size = block_size
         self.max_model_len = max_model_len
         # One cache tensor per layer: [num_blocks, block_size, Lkv + R], no head axis.
@@ -108,7 +108,9 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("scheduler made no progress (KV cache exhausted)")
-        inputs = step_inputs_for(batch, self.block_size, absorb_threshold(self.config))
+        inputs = step_inputs_for(
+            batch, self.block_size, absorb_threshold(self.config), key_rows=self.key_rows
+        )
         with torch.inference_mode():
             logits = self.step_fn(
                 inputs.input_ids,
