@@ -206,12 +206,18 @@ def test_build_model_maps_every_tensor_of_its_own_dtype(tmp_path: Path, tie: boo
     assert not model.rope_inv_freq.is_meta
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("dtype", "compiled"),
+    [("float32", False), ("bfloat16", False), ("bfloat16", True)],
+    ids=["float32", "bfloat16", "bfloat16-compiled"],
+)
 def test_engine_on_a_mapped_checkpoint_generates_as_on_the_same_weights_in_memory(
-    tmp_path: Path, dtype: str
+    tmp_path: Path, dtype: str, compiled: bool
 ) -> None:
+    """The compiled step reads the mapped weights too (AOTInductor constants, user-managed:
+    pointers into the mappings, aligned to their element size, not to 64 bytes as allocations)."""
     _write_mlafx_checkpoint(tmp_path, dtype)
-    options = dict(dtype=dtype, block_size=4, num_kv_blocks=64, progress=False, compile=False)
+    options = dict(dtype=dtype, block_size=4, num_kv_blocks=64, progress=False, compile=compiled)
     mapped = mlafx.LLM(str(tmp_path), **options)
     in_memory = mlafx.LLM(
         "deepseek-v2-lite", load_format="dummy", hf_overrides=TINY_OVERRIDES, seed=0, **options
