@@ -437,6 +437,7 @@ BENCHMARKS = {
     "serve-load": "serve_load.py",
     "e2e": "e2e/main.py",
     "tensor-parallel": "tensor_parallel.py",
+    "load-weights": "load_weights.py",
 }
 
 
