@@ -439,6 +439,7 @@ BENCHMARKS = {
     "tensor-parallel": "tensor_parallel.py",
     "real-size": "real_size.py",
     "host-step-inputs": "host_step_inputs.py",
+    "load-weights": "load_weights.py",
 }
 
 

@@ -329,7 +329,8 @@ def test_export_refusals(artifacts, tmp_path):
 
 
 def test_weights_file_stores_shared_tensors_once(tmp_path):
-    from mlafx.export.weights import load_weights, save_weights, tensor_locations
+    from mlafx.export.weights import load_weights, save_weights
+    from mlafx.models.safetensors_file import tensor_locations
 
     embed = torch.randn(8, 4)
     fused = torch.randn(6, 4)

@@ -27,8 +27,8 @@ from torch.utils import _pytree as pytree
 
 from mlafx.compile.compiled_step import LoweredGraph
 from mlafx.export.functional_step import check, make_functional, write_rows
-from mlafx.export.weights import StoredTensor, tensor_locations
 from mlafx.graph.capture import sample_step, step_dynamic_shapes
+from mlafx.models.safetensors_file import StoredTensor, tensor_locations
 
 log = logging.getLogger(__name__)
 ONNX_FILE = "step.onnx"

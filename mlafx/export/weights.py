@@ -9,9 +9,6 @@ are returned as aliases for the manifest (safetensors refuses to store shared me
 
 from __future__ import annotations
 
-import json
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,31 +49,3 @@ def load_weights(path: Path, aliases: dict[str, str]) -> dict[str, torch.Tensor]
     for alias, target in aliases.items():
         weights[alias] = weights[target]
     return weights
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """Where a tensor's bytes are inside a safetensors file (absolute byte offsets)."""
-
-    dtype: str  # safetensors dtype code: "F32", "BF16", ...
-    shape: tuple[int, ...]
-    offset: int
-    length: int
-
-
-def tensor_locations(path: Path) -> dict[str, StoredTensor]:
-    """Parse a safetensors header: ``8-byte little-endian header length | JSON | data``."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    base = 8 + header_len
-    return {
-        name: StoredTensor(
-            entry["dtype"],
-            tuple(entry["shape"]),
-            base + entry["data_offsets"][0],
-            entry["data_offsets"][1] - entry["data_offsets"][0],
-        )
-        for name, entry in header.items()
-        if name != "__metadata__"
-    }

@@ -38,9 +38,11 @@ def build_model(
 ) -> MLAForCausalLM:
     """An eval-mode model in ``dtype`` (router weights stay float32) with its weights filled.
 
-    The module tree is built on the meta device and materialised once, uninitialised, so
-    no tensor is allocated twice; ``load_format="auto"`` then copies memory-mapped
-    safetensors in, ``"dummy"`` fills seeded random values.
+    The module tree is built on the meta device, so no tensor is allocated twice.
+    ``load_format="auto"`` hands the meta tensors to ``load_safetensors_weights``: a checkpoint
+    tensor already in the target's dtype and shape becomes the target, mapped from the file
+    (never allocated); the others are allocated and copied in (fused experts, casts).
+    ``"dummy"`` materialises every tensor uninitialised, then fills seeded random values.
     """
     from mlafx.models.weights import init_dummy_weights, load_safetensors_weights
 
@@ -54,14 +56,17 @@ def build_model(
     for module in model.modules():
         if isinstance(module, Router):
             module.float()
-    model.to_empty(device="cpu")
-    if cfg.tie_word_embeddings:  # materialising gives each module its own tensor: re-tie
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.reset_rope()
     if load_format == "dummy":
+        model.to_empty(device="cpu")
+        if cfg.tie_word_embeddings:  # materialising gives each module its own tensor: re-tie
+            model.lm_head.weight = model.model.embed_tokens.weight
         init_dummy_weights(model, seed=seed)
     else:
         load_safetensors_weights(
             model, Path(model_dir), num_hidden_layers=cfg.num_hidden_layers, progress=progress
         )
+    model.reset_rope()  # a non-persistent buffer: not in the state_dict, not in checkpoints
+    unfilled = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if unfilled:
+        raise RuntimeError(f"tensors left on the meta device after loading: {unfilled[:5]}")
     return model.eval().requires_grad_(False)

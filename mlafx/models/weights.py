@@ -21,6 +21,20 @@ Checkpoint layouts accepted (``model.safetensors``, an index + shards, or any ``
 Skipped on purpose, logged at INFO: layers ``i >= num_hidden_layers`` (a depth-shrunk model;
 DeepSeek-V3's MTP layer 61), experts ``e >= E`` of the target (a shrunk ``n_routed_experts``:
 the router's gate/bias and fused expert tensors keep their first E rows), rotary ``inv_freq``.
+
+Mapped or copied: a checkpoint tensor that is a whole target (not a slice of a fused expert stack,
+not truncated to the first E rows) in the target's dtype and shape becomes the target itself, a
+tensor over a private, copy-on-write mapping of its bytes in the file: no anonymous copy, the
+pages are the page cache's. Each such tensor has its own mapping, unmapped when the tensor is
+freed, so a weight replaced after load leaves RSS (why not one mapping per file:
+``safetensors_file``). A target still on the meta device is then never allocated. Every other
+checkpoint tensor (per-expert slices, dtype casts such as a bf16 router into the fp32 one,
+truncated rows, tensors whose file offset is not a multiple of their element size) is mapped
+just long enough to be copied into a target allocated for it. So a fused checkpoint in the
+model's dtype is mapped whole (the router too if the file holds it in fp32, as mlafx's model
+does); a Hub (per-expert) checkpoint has its routed experts copied into the fused stacks and
+the rest mapped. The model never writes a weight after load; if something did, the write would
+stay in this process (copy-on-write), never reach the file.
 """
 
 from __future__ import annotations
@@ -29,6 +43,8 @@ import hashlib
 import itertools
 import json
 import logging
+import math
+import os
 import re
 import sys
 from dataclasses import dataclass, replace
@@ -38,6 +54,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
+
+from mlafx.models.safetensors_file import (
+    STORED_DTYPES,
+    StoredTensor,
+    map_bytes,
+    tensor_locations,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +90,12 @@ class WeightLoadError(ValueError):
 
 
 @dataclass(frozen=True)
-class _Copy:
-    """Copy checkpoint tensor ``ckpt_key`` of ``file`` into ``target[dst_index]``."""
+class _Placement:
+    """Checkpoint tensor ``ckpt_key`` (``stored`` in ``file``) fills ``target[dst_index]``."""
 
     file: Path
     ckpt_key: str
+    stored: StoredTensor
     target: str  # canonical name: the first state_dict key of that tensor (tied ones share it)
     dst_index: tuple[int | slice, ...]  # () for the whole tensor, else (expert, rows)
     shape: tuple[int, ...]  # of target[dst_index], which the checkpoint tensor must match
@@ -121,34 +145,46 @@ def _per_expert(key: str, targets: dict[str, torch.Tensor]) -> tuple[str, int, s
 
 
 def _place(
-    key: str, file: Path, targets: dict[str, torch.Tensor], alias: dict[str, str]
-) -> _Copy | None:
+    key: str,
+    file: Path,
+    stored: StoredTensor,
+    targets: dict[str, torch.Tensor],
+    alias: dict[str, str],
+) -> _Placement | None:
     """Where checkpoint tensor ``key`` goes; None if the model has no such tensor."""
     if key in targets:
         name, shape = alias[key], tuple(targets[key].shape)
-        return _Copy(file, key, name, (), shape, _units(name, shape))
+        return _Placement(file, key, stored, name, (), shape, _units(name, shape))
     expert = _per_expert(key, targets)
     if expert is None:
         return None
     fused, e, part = expert
     full = tuple(targets[fused].shape)  # gate_up_proj [E, 2I, D] | down_proj [E, D, I]
     if part == "down":
-        return _Copy(file, key, alias[fused], (e,), full[1:], (f"{e}.down",))
+        return _Placement(file, key, stored, alias[fused], (e,), full[1:], (f"{e}.down",))
     i = full[1] // 2
     rows = slice(0, i) if part == "gate" else slice(i, 2 * i)
-    return _Copy(file, key, alias[fused], (e, rows), (i, full[2]), (f"{e}.{part}",))
+    units = (f"{e}.{part}",)
+    return _Placement(file, key, stored, alias[fused], (e, rows), (i, full[2]), units)
 
 
-def _fit(copy: _Copy, shape: tuple[int, ...]) -> _Copy | None:
-    """``copy`` if the checkpoint tensor's shape fits, else None. A router or fused-expert tensor
-    from a checkpoint with more experts (a shrunk ``n_routed_experts``) keeps its first E rows."""
-    want = copy.shape
+def _fit(placement: _Placement) -> _Placement | None:
+    """``placement`` if the checkpoint tensor's shape fits, else None. A router or fused-expert
+    tensor from a checkpoint with more experts (a shrunk ``n_routed_experts``) keeps its first E
+    rows."""
+    shape, want = placement.stored.shape, placement.shape
     if shape == want:
-        return copy
+        return placement
     more_experts = len(shape) == len(want) > 0 and shape[1:] == want[1:] and shape[0] > want[0]
-    if more_experts and _EXPERT_AXIS.search(copy.ckpt_key):
-        return replace(copy, src_rows=want[0])
+    if more_experts and _EXPERT_AXIS.search(placement.ckpt_key):
+        return replace(placement, src_rows=want[0])
     return None
+
+
+def _aliases(targets: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Each target name -> its canonical name: the first name of that tensor (tied ones share)."""
+    canonical: dict[int, str] = {}
+    return {name: canonical.setdefault(id(t), name) for name, t in targets.items()}
 
 
 def _missing(
@@ -174,18 +210,20 @@ def _missing(
     return problems
 
 
-def _plan(model: nn.Module, files: list[Path], num_hidden_layers: int) -> list[_Copy]:
+def _plan(model: nn.Module, files: list[Path], num_hidden_layers: int) -> list[_Placement]:
     """Check the checkpoint against the model from headers alone; raise with every problem."""
     targets: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
-    canonical: dict[int, str] = {}
-    alias = {name: canonical.setdefault(id(t), name) for name, t in targets.items()}
-    copies: list[_Copy] = []
+    alias = _aliases(targets)
+    placements: list[_Placement] = []
     claimed: set[tuple[str, str]] = set()  # (target, unit) filled, or already reported misfit
     problems: list[str] = []
     unexpected: list[str] = []
     found: dict[str, Path] = {}
     skipped_layers = skipped_experts = 0
     for file in files:
+        # safe_open checks the header (offsets contiguous, sizes match shapes and dtypes, the
+        # data ends at the end of the file); tensor_locations reads where each tensor's bytes are
+        locations = tensor_locations(file)
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 if key in found:
@@ -200,21 +238,24 @@ def _plan(model: nn.Module, files: list[Path], num_hidden_layers: int) -> list[_
                 if expert is not None and expert[1] >= targets[expert[0]].shape[0]:
                     skipped_experts += 1
                     continue
-                copy = _place(key, file, targets, alias)
-                if copy is None:
+                stored = locations[key]
+                placement = _place(key, file, stored, targets, alias)
+                if placement is None:
                     if not _IGNORED.search(key):
                         unexpected.append(key)
                     continue
-                claimed.update((copy.target, unit) for unit in copy.units)
-                shape = tuple(f.get_slice(key).get_shape())
-                fitted = _fit(copy, shape)
+                claimed.update((placement.target, unit) for unit in placement.units)
+                if stored.dtype not in STORED_DTYPES:
+                    problems.append(f"{key}: checkpoint dtype {stored.dtype} is not supported")
+                    continue
+                fitted = _fit(placement)
                 if fitted is not None:
-                    copies.append(fitted)
+                    placements.append(fitted)
                 else:
-                    where = f" (a slice of {copy.target})" if copy.dst_index else ""
+                    where = f" (a slice of {placement.target})" if placement.dst_index else ""
                     problems.append(
-                        f"{key}: checkpoint shape {list(shape)} != expected "
-                        f"{list(copy.shape)}{where}"
+                        f"{key}: checkpoint shape {list(stored.shape)} != expected "
+                        f"{list(placement.shape)}{where}"
                     )
     problems += [
         f"{key}: unexpected checkpoint key (no such tensor in the model)" for key in unexpected
@@ -227,7 +268,7 @@ def _plan(model: nn.Module, files: list[Path], num_hidden_layers: int) -> list[_
     problems += _missing(targets, alias, claimed)
     if problems:
         raise WeightLoadError(problems)
-    truncated = sum(c.src_rows is not None for c in copies)
+    truncated = sum(p.src_rows is not None for p in placements)
     if skipped_layers or skipped_experts or truncated:
         logger.info(
             "skipped %d tensors of layers >= %d and %d of experts beyond the model's; "
@@ -237,38 +278,117 @@ def _plan(model: nn.Module, files: list[Path], num_hidden_layers: int) -> list[_
             skipped_experts,
             truncated,
         )
-    return copies
+    return placements
+
+
+def _is_whole(placement: _Placement, target: torch.Tensor) -> bool:
+    """Whether the checkpoint tensor is all of ``target`` in its dtype (so it can be the target)."""
+    whole = placement.dst_index == () and placement.src_rows is None
+    return whole and STORED_DTYPES[placement.stored.dtype] == target.dtype
+
+
+def _aligned(stored: StoredTensor) -> bool:
+    """Whether the tensor's bytes start at a multiple of its element size (a mapping keeps the
+    file offset's alignment: it starts at a page boundary)."""
+    return stored.offset % STORED_DTYPES[stored.dtype].itemsize == 0
+
+
+def _read(fd: int, placement: _Placement) -> torch.Tensor:
+    """The checkpoint tensor (its first ``src_rows`` rows, if set) in its own dtype, over a
+    private mapping of its bytes, or over an aligned copy of them if they are misaligned."""
+    stored = placement.stored
+    dtype = STORED_DTYPES[stored.dtype]
+    shape = stored.shape if placement.src_rows is None else (placement.src_rows, *stored.shape[1:])
+    raw = map_bytes(fd, stored.offset, math.prod(shape) * dtype.itemsize)
+    if not _aligned(stored):
+        raw = raw.clone()
+    return raw.view(dtype).view(shape)
+
+
+def _install(
+    model: nn.Module, names: list[str], old: torch.Tensor, new: torch.Tensor
+) -> torch.Tensor:
+    """Make ``new`` the model's tensor under every name in ``names`` (tied names share one).
+
+    A materialised ``old`` keeps its identity (``.data`` swapped: ties and references stay); a
+    meta one is replaced in its modules (meta tensors cannot take CPU data)."""
+    if not old.is_meta:
+        old.data = new
+        return old
+    value = nn.Parameter(new, old.requires_grad) if isinstance(old, nn.Parameter) else new
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, value)
+    return value
 
 
 def load_safetensors_weights(
     model: nn.Module, model_dir: str | Path, *, num_hidden_layers: int, progress: bool = True
 ) -> None:
-    """Copy a safetensors checkpoint into ``model``'s parameters and buffers, cast to their dtypes.
+    """Fill ``model``'s parameters and buffers from a safetensors checkpoint.
 
-    Every header is checked before any tensor is read, so a mismatch raises ``WeightLoadError``
-    (listing missing, unexpected, wrongly shaped and duplicate tensors) with the model untouched.
-    Files are memory-mapped and read one tensor at a time, never the whole checkpoint at once.
+    A checkpoint tensor that is a whole target in its dtype becomes that target, mapped from the
+    file (see the module docstring); everything else is copied in and cast to the target's
+    dtype. Targets may be on the meta device (``build_model``'s): a mapped one is then never
+    allocated, a copied one is allocated just before its first copy. Every header is checked
+    before any tensor is read, so a mismatch raises ``WeightLoadError`` (listing missing,
+    unexpected, wrongly shaped and duplicate tensors) with the model untouched.
     """
     model_dir = Path(model_dir)
-    copies = _plan(model, _checkpoint_files(model_dir), num_hidden_layers)
-    targets = model.state_dict(keep_vars=True)
+    placements = _plan(model, _checkpoint_files(model_dir), num_hidden_layers)
+    live: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+    names_of: dict[str, list[str]] = {}
+    for name, canonical in _aliases(live).items():
+        names_of.setdefault(canonical, []).append(name)
+    mapped = copied = mapped_bytes = copied_bytes = 0
     bar = tqdm(
-        total=len(copies),
+        total=len(placements),
         desc=f"loading {model_dir.name}",
         unit="tensor",
         file=sys.stderr,
         disable=not progress,
     )
     with torch.no_grad(), bar:
-        for file, group in itertools.groupby(copies, key=lambda c: c.file):
-            with safe_open(str(file), framework="pt") as f:
-                for c in group:
-                    if c.src_rows is None:
-                        src = f.get_tensor(c.ckpt_key)
+        for file, group in itertools.groupby(placements, key=lambda p: p.file):
+            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)  # mappings outlive it
+            try:
+                for p in group:
+                    target = live[p.target]
+                    if _is_whole(p, target):
+                        live[p.target] = _install(model, names_of[p.target], target, _read(fd, p))
+                        if _aligned(p.stored):
+                            mapped, mapped_bytes = mapped + 1, mapped_bytes + p.stored.length
+                        else:
+                            copied, copied_bytes = copied + 1, copied_bytes + p.stored.length
+                            logger.debug(
+                                "copied %s: its bytes start at offset %d of %s, not a multiple "
+                                "of its %d-byte elements",
+                                p.ckpt_key,
+                                p.stored.offset,
+                                file.name,
+                                target.element_size(),
+                            )
                     else:
-                        src = f.get_slice(c.ckpt_key)[: c.src_rows]
-                    targets[c.target].data[c.dst_index].copy_(src)
+                        if target.is_meta:
+                            empty = torch.empty(target.shape, dtype=target.dtype)
+                            target = live[p.target] = _install(
+                                model, names_of[p.target], target, empty
+                            )
+                        target.data[p.dst_index].copy_(_read(fd, p))
+                        copied += 1
+                        copied_bytes += math.prod(p.shape) * target.element_size()
                     bar.update()
+            finally:
+                os.close(fd)
+    logger.info(
+        "loaded %s: %d tensors (%.1f MiB) mapped from the file, %d copied (%.1f MiB: "
+        "fused experts, dtype casts, truncated or misaligned tensors)",
+        model_dir.name,
+        mapped,
+        mapped_bytes / 2**20,
+        copied,
+        copied_bytes / 2**20,
+    )
 
 
 def _tensor_seed(name: str, seed: int) -> int:
