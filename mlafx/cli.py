@@ -85,7 +85,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="run the captured, MLA-lowered, AOTInductor-compiled step (default; compiled "
-        "once per config, cached under $MLAFX_CACHE_DIR or ~/.cache/mlafx/compiled); "
+        "once per layer kind, cached under $MLAFX_CACHE_DIR or ~/.cache/mlafx/compiled); "
         "--no-compile runs the plain reference model",
     )
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+from mlafx.models.safetensors_file import map_file
 
 WEIGHTS_FILE = "weights.safetensors"
 
@@ -41,8 +43,10 @@ def save_weights(constants: dict[str, torch.Tensor], path: Path) -> dict[str, st
 
 
 def load_weights(path: Path, aliases: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Every weight by name (aliases share their target's tensor), read into memory."""
-    weights = load_file(str(path))
+    """Every weight by name (aliases share their target's tensor), each over its own private
+    mapping of the file (``models/safetensors_file.py``): nothing is copied, and a weight the
+    step replaces by a derived layout gives its pages back when it is dropped."""
+    weights = map_file(path)
     missing = sorted(target for target in aliases.values() if target not in weights)
     if missing:
         raise ValueError(f"{path.name}: aliased weights {missing[:5]} are not in the file")

@@ -145,3 +145,22 @@ def map_bytes(fd: int, offset: int, length: int) -> torch.Tensor:
     if length == 0:
         return torch.empty(0, dtype=torch.uint8)
     return torch.from_numpy(np.asarray(_PrivateMapping(fd, offset, length)))
+
+
+def map_stored(fd: int, stored: StoredTensor) -> torch.Tensor:
+    """The stored tensor in its own dtype and shape over its own private mapping (over an
+    aligned copy when its bytes start at an offset its element size does not divide)."""
+    dtype = STORED_DTYPES[stored.dtype]
+    raw = map_bytes(fd, stored.offset, stored.length)
+    if stored.offset % dtype.itemsize != 0:
+        raw = raw.clone()
+    return raw.view(dtype).view(stored.shape)
+
+
+def map_file(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, each over its own private mapping."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return {name: map_stored(fd, stored) for name, stored in tensor_locations(path).items()}
+    finally:
+        os.close(fd)

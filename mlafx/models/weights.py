@@ -58,7 +58,7 @@ from tqdm import tqdm
 from mlafx.models.safetensors_file import (
     STORED_DTYPES,
     StoredTensor,
-    map_bytes,
+    map_stored,
     tensor_locations,
 )
 
@@ -297,12 +297,14 @@ def _read(fd: int, placement: _Placement) -> torch.Tensor:
     """The checkpoint tensor (its first ``src_rows`` rows, if set) in its own dtype, over a
     private mapping of its bytes, or over an aligned copy of them if they are misaligned."""
     stored = placement.stored
-    dtype = STORED_DTYPES[stored.dtype]
-    shape = stored.shape if placement.src_rows is None else (placement.src_rows, *stored.shape[1:])
-    raw = map_bytes(fd, stored.offset, math.prod(shape) * dtype.itemsize)
-    if not _aligned(stored):
-        raw = raw.clone()
-    return raw.view(dtype).view(shape)
+    if placement.src_rows is not None:
+        rows = math.prod((placement.src_rows, *stored.shape[1:]))
+        stored = replace(
+            stored,
+            shape=(placement.src_rows, *stored.shape[1:]),
+            length=rows * STORED_DTYPES[stored.dtype].itemsize,
+        )
+    return map_stored(fd, stored)
 
 
 def _install(
