@@ -34,6 +34,7 @@ SMALL = {
     "intermediate_size": 512,
     "moe_intermediate_size": 128,
     "num_attention_heads": 4,
+    "num_key_value_heads": 4,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
     "vocab_size": 1024,

@@ -219,6 +219,9 @@ def build_aoti_package(program: torch.export.ExportedProgram, package: Path) -> 
             package_path=tmp,
             inductor_configs=dict(INDUCTOR_CONFIGS),  # a copy: inductor adds its own keys
         )
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private; a cache may be shared
         os.replace(tmp, package)
     finally:
         if os.path.exists(tmp):

@@ -205,15 +205,18 @@ def capture_layer(model: MLAForCausalLM, layer: int, block_size: int) -> Exporte
     weights are the layer's own tensors: nothing is copied)."""
     sample = sample_layer(model, block_size)
     module = LayerStep(model.model.layers[layer])
+    return _export(module, sample.args([sample.cache]), layer_dynamic_shapes())
+
+
+def _export(module: nn.Module, args: tuple, dynamic_shapes: object) -> ExportedProgram:
+    """Non-strict export under ``backed_size_oblivious``, routed experts as custom ops."""
     has_experts = any(isinstance(m, RoutedExperts) for m in module.modules())
     with (
         experts_as_custom_op() if has_experts else contextlib.nullcontext(),
         torch.fx.experimental._config.patch(backed_size_oblivious=True),
         torch.no_grad(),
     ):
-        return torch.export.export(
-            module, sample.args([sample.cache]), dynamic_shapes=layer_dynamic_shapes(), strict=False
-        )
+        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
 
 
 @contextlib.contextmanager
@@ -248,15 +251,6 @@ def sample_step(model: MLAForCausalLM, block_size: int) -> tuple[StepInputs, lis
 
 def capture_step(model: MLAForCausalLM, block_size: int) -> ExportedProgram:
     """The model's step as an ExportedProgram (pre-dispatch ATen IR, dynamic extents)."""
-    cfg = model.config
     sample, caches = sample_step(model, block_size)
-    args = (sample.input_ids, sample.positions, caches, sample.meta, sample.logits_indices)
-    has_experts = any(isinstance(m, RoutedExperts) for m in model.modules())
-    with (
-        experts_as_custom_op() if has_experts else contextlib.nullcontext(),
-        torch.fx.experimental._config.patch(backed_size_oblivious=True),
-        torch.no_grad(),
-    ):
-        return torch.export.export(
-            model, args, dynamic_shapes=step_dynamic_shapes(cfg.num_hidden_layers), strict=False
-        )
+    dynamic = step_dynamic_shapes(model.config.num_hidden_layers)
+    return _export(model, sample.args(caches), dynamic)
