@@ -37,7 +37,6 @@ SMALL = {
     "num_key_value_heads": 4,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
-    "vocab_size": 1024,
 }
 NUM_KV_BLOCKS = 256
 

@@ -56,16 +56,19 @@ def test_layer_kinds_group_the_layers_by_structure():
     ]
 
 
-def test_every_layer_runs_its_kind_package_with_its_own_weights(tmp_path):
-    """Five layers in two kinds, compiled as two packages (fp32): the reference's tokens; a
-    model of another depth with the same layer kinds loads those packages."""
+def test_every_layer_runs_its_kind_package_with_its_own_weights():
+    """Five layers in two kinds, two packages (fp32): the reference's tokens. The suite's
+    cache: the 2-layer tiny model (same layer kinds, another depth) shares the packages."""
     reference = tiny_llm(hf_overrides=DEEPER)
-    compiled = tiny_llm(hf_overrides=DEEPER, compile=True, compile_cache_dir=tmp_path)
+    compiled = tiny_llm(hf_overrides=DEEPER, compile=True)
     assert [p.kind.layers for p in compiled.compiled.packages] == [(0, 1), (2, 3, 4)]
-    assert len(compiled.compiled.layers) == 5 and len(packages_in(tmp_path)) == 2
+    assert len(compiled.compiled.layers) == 5
     assert_same_greedy(greedy(reference), greedy(compiled))
-    shallower = tiny_llm(compile=True, compile_cache_dir=tmp_path)  # 2 layers, same kinds
-    assert shallower.compiled.lowerings == {} and len(packages_in(tmp_path)) == 2
+    shallower = tiny_llm(compile=True)  # 2 layers, same kinds
+    assert shallower.compiled.lowerings == {}
+    assert [p.package for p in shallower.compiled.packages] == [
+        p.package for p in compiled.compiled.packages
+    ]
 
 
 CHILD = """
