@@ -1,6 +1,7 @@
 """mlafx::pack_linear_weight and mlafx::linear_decode against their references.
 
-Packing is a permutation with zero padding: compared byte for byte. linear_decode sums in
+Packing is a permutation with zero padding: compared byte for byte, and unpacking must give
+the weight back exactly. linear_decode sums in
 fp32 and rounds once to x's dtype, so each output may differ from the float64 product by
 half an ulp of the output dtype (u) plus the fp32 summation error; the bound used is
 ``u * |ref| + (K + 2) * 2**-24 * (|x| @ |W|^T) * (1 + u)``, tight enough that a dropped
@@ -18,7 +19,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlafx.kernels import cpu_isa, linear_decode, linear_packed, pack_linear_weight
+from mlafx.kernels import (
+    cpu_isa,
+    linear_decode,
+    linear_packed,
+    pack_linear_weight,
+    unpack_linear_weight,
+)
 from mlafx.kernels.gemm_reference import (
     linear_decode_ref,
     pack_linear_weight_ref,
@@ -61,6 +68,20 @@ def test_pack_matches_reference_bytes(N, K, dtype):
     expected = pack_linear_weight_ref(weight)
     assert packed.shape == expected.shape and packed.dtype == dtype and packed.is_contiguous()
     assert torch.equal(packed.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(unpack_linear_weight_ref(packed, N, K), weight)
+    unpacked = unpack_linear_weight(packed, N, K)
+    assert unpacked.shape == (N, K) and unpacked.is_contiguous()
+    assert torch.equal(unpacked.view(torch.uint8), weight.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(("N", "K"), [(0, 5), (3, 0), (17, 1), (100, 31), (533, 2048 + 13)])
+def test_unpack_is_the_inverse_of_pack(N, K, dtype):
+    # Odd and even K, partial blocks, more than one 16-pair tile of the AVX-512 transpose.
+    weight = torch.randn(N, K).to(dtype)
+    packed = pack_linear_weight(weight)
+    unpacked = unpack_linear_weight(packed, N, K)
+    assert torch.equal(unpacked.view(torch.uint8), weight.view(torch.uint8))
     assert torch.equal(unpack_linear_weight_ref(packed, N, K), weight)
 
 
@@ -108,6 +129,7 @@ def test_opcheck(M, dtype):
     torch.library.opcheck(torch.ops.mlafx.pack_linear_weight.default, (weight,))
     packed = pack_linear_weight(weight)
     torch.library.opcheck(torch.ops.mlafx.linear_decode.default, (x, packed, 21))
+    torch.library.opcheck(torch.ops.mlafx.unpack_linear_weight.default, (packed, 21, 45))
 
 
 class _Linear(torch.nn.Module):
@@ -262,3 +284,11 @@ def test_linear_packed_rejects_mismatched_weight():
     weight = torch.randn(20, 24)
     with pytest.raises(ValueError, match="does not match weight"):
         linear_packed(torch.randn(3, 30), weight, pack_linear_weight(weight))
+
+
+def test_unpack_rejects_mismatched_sizes():
+    packed = pack_linear_weight(torch.randn(20, 24))
+    with pytest.raises(ValueError, match="in_features = 26 does not match"):
+        unpack_linear_weight(packed, 20, 26)
+    with pytest.raises(ValueError, match="out_features = 33 does not match"):
+        unpack_linear_weight(packed, 33, 24)

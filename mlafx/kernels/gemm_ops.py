@@ -1,9 +1,11 @@
-"""Typed wrappers and fakes of the decode-shaped linear ops (schemas: ``csrc/gemm.cpp``).
+"""Typed wrappers and fakes of the linear ops on packed weights (schemas: ``csrc/gemm.cpp``).
 
 The weight of a linear is packed once, at load time, with :func:`pack_linear_weight` and kept
 as a named weight; :func:`linear_decode` then streams it at memory bandwidth for a few rows
 of x (decode: lm_head, projections, shared experts); :func:`linear_packed` picks it or
-ATen's linear by the number of rows. References: ``gemm_reference.py``.
+ATen's linear by the number of rows. :func:`unpack_linear_weight` is the inverse of the
+packing.
+References: ``gemm_reference.py``.
 """
 
 from __future__ import annotations
@@ -27,21 +29,38 @@ def _pack_linear_weight_fake(weight: torch.Tensor) -> torch.Tensor:
     return weight.new_empty((blocks, (k + 1) // 2, 2 * PACKED_BLOCK_ROWS))
 
 
+def _check_packed(packed_weight: torch.Tensor, out_features: int) -> None:
+    torch._check(
+        packed_weight.dtype in _FLOAT_DTYPES,
+        lambda: f"packed_weight dtype {packed_weight.dtype} unsupported",
+    )
+    torch._check(packed_weight.dim() == 3 and packed_weight.shape[2] == 2 * PACKED_BLOCK_ROWS)
+    torch._check(
+        (out_features + PACKED_BLOCK_ROWS - 1) // PACKED_BLOCK_ROWS == packed_weight.shape[0]
+    )
+
+
+@torch.library.register_fake("mlafx::unpack_linear_weight")
+def _unpack_linear_weight_fake(
+    packed_weight: torch.Tensor, out_features: int, in_features: int
+) -> torch.Tensor:
+    _check_packed(packed_weight, out_features)
+    torch._check((in_features + 1) // 2 == packed_weight.shape[1])
+    return packed_weight.new_empty((out_features, in_features))
+
+
 @torch.library.register_fake("mlafx::linear_decode")
 def _linear_decode_fake(
     x: torch.Tensor, packed_weight: torch.Tensor, out_features: int
 ) -> torch.Tensor:
+    _check_packed(packed_weight, out_features)
     torch._check(x.dtype in _FLOAT_DTYPES, lambda: f"x dtype {x.dtype} unsupported")
     torch._check(
         packed_weight.dtype == x.dtype,
         lambda: f"packed_weight dtype {packed_weight.dtype} must equal x's {x.dtype}",
     )
     torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {tuple(x.shape)}")
-    torch._check(packed_weight.dim() == 3 and packed_weight.shape[2] == 2 * PACKED_BLOCK_ROWS)
     torch._check((x.shape[1] + 1) // 2 == packed_weight.shape[1])
-    torch._check(
-        (out_features + PACKED_BLOCK_ROWS - 1) // PACKED_BLOCK_ROWS == packed_weight.shape[0]
-    )
     return x.new_empty((x.shape[0], out_features))
 
 
@@ -71,6 +90,15 @@ def linear_decode(
 ) -> torch.Tensor:
     """``x @ weight^T`` -> [M, N] in x's dtype (fp32 accumulation, one rounding)."""
     return torch.ops.mlafx.linear_decode(x, packed_weight, out_features)
+
+
+def unpack_linear_weight(
+    packed_weight: torch.Tensor,  # from pack_linear_weight(weight [N, K])
+    out_features: int,  # N
+    in_features: int,  # K
+) -> torch.Tensor:
+    """The inverse of :func:`pack_linear_weight`: packed -> weight [N, K], same dtype."""
+    return torch.ops.mlafx.unpack_linear_weight(packed_weight, out_features, in_features)
 
 
 def linear_packed(
