@@ -1,5 +1,6 @@
 """The AOTInductor package is code only: two models of one config share a package, and
-each runs with its own weights — even tensors small enough for inductor to inline."""
+each runs with its own weights — even tensors small enough for inductor to inline. It asks for
+one copy of each linear weight: the packed one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import transformers
 from mlafx.compile.compiled_step import compile_step, package_path
 from mlafx.graph.capture import sample_step
 from mlafx.models.from_transformers import model_from_transformers
+from mlafx.passes.derived_constants import source_of
 from tests.test_parity_transformers import CONFIGS
 
 
@@ -23,6 +25,10 @@ def test_models_sharing_a_package_keep_their_own_small_weights(tmp_path):
     compile_step(first, 4, cache_dir=tmp_path)
     step = compile_step(second, 4, cache_dir=tmp_path)
     assert step.lowering is None and step.package == package_path(first, 4, tmp_path)
+    wanted = set(step.runner.get_constant_fqns())
+    packed = {name for name in wanted if name.endswith("_packed")}
+    assert "lm_head.weight_packed" in packed
+    assert not wanted & {source_of(name) for name in packed}  # derived at load, then not kept
     sample, caches = sample_step(second, 4)
     args = (sample.input_ids, sample.positions)
     with torch.no_grad():

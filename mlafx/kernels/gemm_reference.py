@@ -1,6 +1,6 @@
 """Slow, obviously correct references for ``mlafx::pack_linear_weight``,
-``mlafx::unpack_linear_weight`` and ``mlafx::linear_decode`` (tests compare the C++ kernels
-with these)."""
+``mlafx::unpack_linear_weight``, ``mlafx::linear_decode`` and ``mlafx::linear_packed`` (tests
+compare the C++ kernels with these)."""
 
 from __future__ import annotations
 
@@ -39,3 +39,18 @@ def linear_decode_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x's dtype, products summed in float64 and
     rounded once (the kernel sums in fp32: tests allow for that)."""
     return (x.double() @ weight.double().t()).to(x.dtype)
+
+
+def linear_packed_ref(
+    x: torch.Tensor,  # [M, K]
+    packed: torch.Tensor,  # pack_linear_weight(weight [N, K])
+    out_features: int,  # N
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the weight unpacked, in float64, rounded once to
+    x's dtype (the kernel rounds the product, then adds the bias: tests allow for that)."""
+    weight = unpack_linear_weight_ref(packed, out_features, x.shape[1]).double()
+    out = x.double() @ weight.t()
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(x.dtype)

@@ -8,9 +8,10 @@
 //       the exact inverse of pack_linear_weight
 //   linear_decode(x [M, K], packed, out_features = N) -> out [M, N]   (x's dtype)
 //       x last-dim contiguous (rows may be strided); fp32 accumulation, one rounding at the end
-//   linear_packed(x [M, K], weight [N, K], packed, bias?) -> x @ weight^T + bias
-//       what the compiler lowers a model's linears to: linear_decode for M <= stream_max_rows(),
-//       ATen's linear (oneDNN) on the checkpoint's weight above, where it is compute-bound
+//   linear_packed(x [M, K], packed, out_features = N, bias?) -> x @ W^T + bias
+//       what the compiler lowers a model's linears to, so the packed copy is the only copy of
+//       W: linear_decode for M <= stream_max_rows(); above, where the product is
+//       compute-bound, ATen's matmul (oneDNN) on W unpacked a chunk of output rows at a time
 //
 // Why a packed layout, and not oneDNN or the row-major weight (bench/kernel_cases/moe_gemm.py;
 // 2 threads, cold weights, quiet machine, read bandwidth 18.6 GB/s, bf16):
@@ -27,15 +28,17 @@
 // measured ~80 vs ~120 GFLOP/s per core.
 // Any M works, but past ~32 rows the product is compute-bound and this kernel (on the Xeon,
 // ~100-120 GFLOP/s per core) is far from ATen's matmul (oneDNN, ~650-750 GFLOP/s on 2
-// threads): a prefill linear should keep the unpacked weight and ATen's matmul, a decode linear the
-// packed copy; keeping both doubles those weights' memory (a choice for the compiler).
+// threads). Keeping the checkpoint's row-major W for those rows would double the linears'
+// memory; instead linear_packed unpacks W a chunk of rows at a time into a small row-major
+// scratch that stays in cache while oneDNN multiplies it: the weight is still read from memory
+// once per call, as oneDNN reads it, and the unpacking is a transpose of column pairs in cache.
 //
 // Python references: mlafx/kernels/gemm_reference.py.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -399,6 +402,43 @@ at::Tensor linear_decode(const at::Tensor& x,       // [M, K]
   return linear_streaming(x, packed, out_features);
 }
 
+// Weight bytes unpacked per chunk on the long-rows path: the row-major scratch stays in the L3
+// while oneDNN reads it, and each call gets enough output columns to run near its matmul rate.
+// Measured on Zen 4 (2 threads, bf16, cold weights, against F.linear; noisy to ~5%): 4 MB gave
+// 0.90-0.97x at 512 and 2048 rows of q 2048->3072 and kv_a 2048->576; 2 MB 0.87-0.95x; 1 MB and
+// 512 KB chunks given one per thread, each multiplied by a single-threaded mm, 0.82-0.98x. The
+// unpacking itself (an AVX-512 transpose of column pairs) runs at ~35 GB/s in cache: ~120 us
+// per 4 MB chunk. It is not overlapped with the products, which at 64 rows are short enough
+// for that to show: ~0.7-0.8x of F.linear there.
+constexpr int64_t kUnpackChunkBytes = int64_t{4} << 20;
+
+// x [M, K] @ W^T on checked inputs, for M above stream_max_rows(): W unpacked a chunk of output
+// rows (a multiple of 16) at a time into one row-major scratch, which ATen's mm (oneDNN)
+// multiplies into those columns of the output. No copy of the whole W is ever made.
+at::Tensor linear_chunked_mm(const at::Tensor& x,       // [M, K]
+                             const at::Tensor& packed,  // [ceil(N/16), ceil(K/2), 32]
+                             int64_t N) {
+  const int64_t M = x.size(0);
+  const int64_t K = x.size(1);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) {
+    return out;
+  }
+  const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(x.element_size());
+  const int64_t chunk_rows =
+      std::min(packed.size(0) * kPackedBlockRows,
+               std::max(kPackedBlockRows,
+                        kUnpackChunkBytes / row_bytes / kPackedBlockRows * kPackedBlockRows));
+  at::Tensor scratch = at::empty({chunk_rows, K}, x.options());  // [chunk_rows, K] rows of W
+  for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
+    const int64_t rows = std::min(chunk_rows, N - n0);
+    unpack_rows_parallel(packed, K, n0, n0 + rows, scratch.data_ptr(), K);
+    at::Tensor columns = out.narrow(1, n0, rows);  // [M, rows], row stride N
+    at::mm_out(columns, x, scratch.narrow(0, 0, rows).t());
+  }
+  return out;
+}
+
 // The most rows of x for which streaming the packed weight beats ATen's GEMM (oneDNN). bf16 on
 // the AVX-512 BF16 or AMX kernels: 32, the decode-sized range. Measured on Zen 4 (2 threads,
 // VDPBF16PS streaming vs ATen's linear, the embedded default's projections and lm_head): the
@@ -414,21 +454,22 @@ int64_t stream_max_rows(const at::Tensor& x) {
 }
 
 at::Tensor linear_packed(const at::Tensor& x,       // [M, K]
-                         const at::Tensor& weight,  // [N, K], the checkpoint's
-                         const at::Tensor& packed,  // pack_linear_weight(weight)
-                         const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(weight.dim() == 2,
-                    "linear_packed: weight must be [out_features, in_features], got shape ",
-                    weight.sizes());
-  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "linear_packed: weight dtype ",
-                   weight.scalar_type(), " must equal x's dtype ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == weight.size(1), "linear_packed: x ", x.sizes(),
-                    " does not match weight ", weight.sizes());
-  if (x.size(0) > stream_max_rows(x)) {
-    return at::linear(x, weight, bias);
+                         const at::Tensor& packed,  // pack_linear_weight(W [N, K])
+                         int64_t out_features,      // N
+                         const std::optional<at::Tensor>& bias) {  // [N] or none
+  check_packed("linear_packed", packed, out_features);
+  check_rows("linear_packed", x, packed);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features,
+                      "linear_packed: bias must be [out_features] = [", out_features,
+                      "], got shape ", bias->sizes());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "linear_packed: bias dtype ",
+                     bias->scalar_type(), " must equal x's dtype ", x.scalar_type());
   }
-  at::Tensor out = linear_decode(x, packed, weight.size(0));
-  if (bias.has_value() && bias->defined()) {
+  at::Tensor out = x.size(0) <= stream_max_rows(x) ? linear_streaming(x, packed, out_features)
+                                                   : linear_chunked_mm(x, packed, out_features);
+  if (has_bias) {
     out.add_(*bias);
   }
   return out;
@@ -441,7 +482,7 @@ TORCH_LIBRARY_FRAGMENT(mlafx, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("unpack_linear_weight(Tensor packed_weight, int out_features, int in_features) -> Tensor");
   m.def("linear_decode(Tensor x, Tensor packed_weight, int out_features) -> Tensor");
-  m.def("linear_packed(Tensor x, Tensor weight, Tensor packed_weight, Tensor? bias) -> Tensor");
+  m.def("linear_packed(Tensor x, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mlafx, CPU, m) {
