@@ -383,6 +383,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from mlafx.passes.report import format_text, lowering_report
 
     args.num_kv_blocks = args.num_kv_blocks or num_sample_blocks(args.block_size)
+    args.compile = False  # the reference model, which inspect captures and lowers itself
     llm = build_llm(args)
     start = time.perf_counter()
     captured = capture_step(llm.model, args.block_size)

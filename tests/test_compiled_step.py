@@ -1,5 +1,6 @@
 """The AOTInductor package is code only: two models of one config share a package, and
-each runs with its own weights — even tensors small enough for inductor to inline."""
+each runs with its own weights — even tensors small enough for inductor to inline. It asks for
+one copy of each linear weight: the packed one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from mlafx.compile.compiled_step import compile_step, package_path
 from mlafx.compile.layer_kinds import layer_kinds
 from mlafx.graph.capture import sample_step
 from mlafx.models.from_transformers import model_from_transformers
+from mlafx.passes.derived_constants import source_of
 from tests.test_parity_transformers import CONFIGS
 
 
@@ -28,6 +30,10 @@ def test_models_sharing_a_package_keep_their_own_small_weights(tmp_path):
     assert [p.package for p in step.packages] == [
         package_path(first, k, 4, tmp_path) for k in kinds
     ]
+    for runner in step.layers:  # each linear's packed copy, derived at load, not its source
+        wanted = set(runner.get_constant_fqns())
+        packed = {name for name in wanted if name.endswith("_packed")}
+        assert packed and not wanted & {source_of(name) for name in packed}
     sample, caches = sample_step(second, 4)
     args = (sample.input_ids, sample.positions)
     with torch.no_grad():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlafx.kernels import pack_linear_weight
+from mlafx.kernels import pack_linear_weight, unpack_linear_weight
 from mlafx.passes.derived_constants import (
     absorbed_names,
     derive,
@@ -34,6 +34,8 @@ def test_packed_is_pack_linear_weight():
     assert source_of(name) == "lm_head.weight"
     assert torch.equal(derive(name, weight).view(torch.uint8),
                        pack_linear_weight(weight).view(torch.uint8))  # fmt: skip
+    # the packed copy is the only copy a compiled step keeps: it must hold all of the weight
+    assert torch.equal(unpack_linear_weight(derive(name, weight), 20, 6), weight)
 
 
 def test_with_derived_constants_adds_only_what_is_wanted_and_missing():

@@ -1,10 +1,13 @@
-"""mlafx::pack_linear_weight and mlafx::linear_decode against their references.
+"""mlafx::pack_linear_weight, unpack_linear_weight, linear_decode and linear_packed against
+their references.
 
-Packing is a permutation with zero padding: compared byte for byte. linear_decode sums in
-fp32 and rounds once to x's dtype, so each output may differ from the float64 product by
+Packing is a permutation with zero padding: compared byte for byte, and unpacking must give
+the weight back exactly. linear_decode (and linear_packed's oneDNN path for long rows) sum in
+fp32 and round once to x's dtype, so each output may differ from the float64 product by
 half an ulp of the output dtype (u) plus the fp32 summation error; the bound used is
 ``u * |ref| + (K + 2) * 2**-24 * (|x| @ |W|^T) * (1 + u)``, tight enough that a dropped
-column pair or a row off by one fails.
+column pair or a row off by one fails. A bias is added after that rounding and rounded
+again: one more ``u * (|x| @ |W|^T)``.
 """
 
 from __future__ import annotations
@@ -18,9 +21,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlafx.kernels import cpu_isa, linear_decode, linear_packed, pack_linear_weight
+from mlafx.kernels import (
+    cpu_isa,
+    linear_decode,
+    linear_packed,
+    pack_linear_weight,
+    unpack_linear_weight,
+)
 from mlafx.kernels.gemm_reference import (
     linear_decode_ref,
+    linear_packed_ref,
     pack_linear_weight_ref,
     unpack_linear_weight_ref,
 )
@@ -29,7 +39,7 @@ FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 
-def _assert_within_bound(out, x, weight):
+def _assert_within_bound(out, x, weight, bias=None):
     ref = linear_decode_ref(x, weight)
     assert out.dtype == x.dtype and out.shape == ref.shape and out.is_contiguous()
     u = UNIT_ROUNDOFF[x.dtype]
@@ -40,6 +50,9 @@ def _assert_within_bound(out, x, weight):
     finfo = torch.finfo(x.dtype)
     half_subnormal = finfo.tiny * finfo.eps / 2
     bound = u * exact.abs() + (x.shape[1] + 2) * 2.0**-24 * magnitude * (1 + u) + half_subnormal
+    if bias is not None:  # the product is rounded first, then the sum with the bias
+        exact = exact + bias.double()
+        bound = bound + u * exact.abs() + u * (1 + u) * magnitude + half_subnormal
     err = (out.double() - exact).abs()
     assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
 
@@ -61,6 +74,20 @@ def test_pack_matches_reference_bytes(N, K, dtype):
     expected = pack_linear_weight_ref(weight)
     assert packed.shape == expected.shape and packed.dtype == dtype and packed.is_contiguous()
     assert torch.equal(packed.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(unpack_linear_weight_ref(packed, N, K), weight)
+    unpacked = unpack_linear_weight(packed, N, K)
+    assert unpacked.shape == (N, K) and unpacked.is_contiguous()
+    assert torch.equal(unpacked.view(torch.uint8), weight.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(("N", "K"), [(0, 5), (3, 0), (17, 1), (100, 31), (533, 2048 + 13)])
+def test_unpack_is_the_inverse_of_pack(N, K, dtype):
+    # Odd and even K, partial blocks, more than one 16-pair tile of the AVX-512 transpose.
+    weight = torch.randn(N, K).to(dtype)
+    packed = pack_linear_weight(weight)
+    unpacked = unpack_linear_weight(packed, N, K)
+    assert torch.equal(unpacked.view(torch.uint8), weight.view(torch.uint8))
     assert torch.equal(unpack_linear_weight_ref(packed, N, K), weight)
 
 
@@ -108,6 +135,7 @@ def test_opcheck(M, dtype):
     torch.library.opcheck(torch.ops.mlafx.pack_linear_weight.default, (weight,))
     packed = pack_linear_weight(weight)
     torch.library.opcheck(torch.ops.mlafx.linear_decode.default, (x, packed, 21))
+    torch.library.opcheck(torch.ops.mlafx.unpack_linear_weight.default, (packed, 21, 45))
 
 
 class _Linear(torch.nn.Module):
@@ -183,7 +211,7 @@ def test_pack_rejects_bad_weights():
 
 _PATH_PROBE = """
 import torch
-from mlafx.kernels import cpu_isa, linear_decode, pack_linear_weight
+from mlafx.kernels import cpu_isa, linear_decode, linear_packed, pack_linear_weight
 
 assert cpu_isa() == "{isa}", cpu_isa()
 gen = torch.Generator().manual_seed(0)
@@ -192,6 +220,13 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
         x = torch.randn(M, K, generator=gen).to(dtype)
         w = torch.randn(N, K, generator=gen).to(dtype)
         torch.save((x, w, linear_decode(x, pack_linear_weight(w), N)), f"{{}}/{dtype}-{M}.pt")
+    # linear_packed above every streaming threshold: the unpacked chunks and ATen's mm, with
+    # more than one chunk (8192 + 13 columns) and odd widths
+    for M, K, N in ((100, 8192 + 13, 533), (300, 77, 40)):
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        w = torch.randn(N, K, generator=gen).to(dtype)
+        out = linear_packed(x, pack_linear_weight(w), N)
+        torch.save((x, w, out), f"{{}}/{dtype}-packed-{M}.pt")
 print("ok")
 """
 
@@ -213,15 +248,15 @@ def test_other_paths_match_reference(tmp_path, isa, env_overrides):
     )
     assert result.returncode == 0, result.stderr
     files = sorted(tmp_path.glob("*.pt"))
-    assert len(files) == 9
+    assert len(files) == 15
     for path in files:
         x, w, out = torch.load(path)
         _assert_within_bound(out, x, w)
 
 
 @pytest.mark.parametrize("bias", [False, True])
-# Both sides of the streaming/ATen switch: 8 rows (32 for bf16 on an AVX-512 BF16 CPU).
-@pytest.mark.parametrize("M", [0, 1, 8, 9, 32, 33])
+# Both sides of the streaming/chunked switch: 8 rows (32 for bf16 on an AVX-512 BF16 CPU).
+@pytest.mark.parametrize("M", [0, 1, 8, 9, 32, 33, 100, 300])
 @pytest.mark.parametrize("K", [77, 78])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_linear_packed_is_linear_on_both_paths(M, K, dtype, bias):
@@ -229,36 +264,97 @@ def test_linear_packed_is_linear_on_both_paths(M, K, dtype, bias):
     x = torch.randn(M, K, generator=gen).to(dtype)
     weight = torch.randn(33, K, generator=gen).to(dtype)
     b = torch.randn(33, generator=gen).to(dtype) if bias else None
-    out = linear_packed(x, weight, pack_linear_weight(weight), b)
-    want = torch.nn.functional.linear(
-        x.double(), weight.double(), None if b is None else b.double()
-    )
+    packed = pack_linear_weight(weight)
+    out = linear_packed(x, packed, 33, b)
+    assert out.dtype == dtype and out.shape == (M, 33)
+    _assert_within_bound(out, x, weight, b)
+    # and the reference, which rounds once, within a few ulps of the magnitudes involved
+    ref = linear_packed_ref(x, packed, 33, b)
     u = UNIT_ROUNDOFF[dtype]
     tol = 4 * u * (x.double().abs() @ weight.double().abs().t() + 1) + K * 2.0**-20
-    assert out.dtype == dtype and out.shape == (M, 33)
-    assert ((out.double() - want).abs() <= tol).all()
-    torch.library.opcheck(
-        torch.ops.mlafx.linear_packed.default, (x, weight, pack_linear_weight(weight), b)
-    )
+    assert ((out.double() - ref.double()).abs() <= tol).all()
+    torch.library.opcheck(torch.ops.mlafx.linear_packed.default, (x, packed, 33, b))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
-    M=st.sampled_from([0, 1, 7, 8, 9, 16, 32, 33]),  # both sides of the 8- and 32-row switches
-    K=st.sampled_from([1, 3, 64 + 13, 64 + 14]),
-    N=st.sampled_from([1, 17, 40]),
+    # both sides of the 8- and 32-row switches, and long rows
+    M=st.sampled_from([0, 1, 7, 8, 9, 16, 31, 32, 33, 100, 300]),
+    # 8192 + 13: rows of 16 KB, so a 16-bit chunk of 4 MB is 240 rows and N = 533 takes three
+    # (fp32: 112 rows, five)
+    K=st.sampled_from([1, 3, 64 + 13, 64 + 14, 8192 + 13]),
+    N=st.sampled_from([1, 17, 40, 533]),
     dtype=st.sampled_from(FLOAT_DTYPES),
     layout=st.sampled_from(["contiguous", "strided"]),
+    bias=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_linear_packed_matches_reference(M, K, N, dtype, layout, seed):
+def test_linear_packed_matches_reference(M, K, N, dtype, layout, bias, seed):
     gen = torch.Generator().manual_seed(seed)
     x = _rows(M, K, dtype, gen, layout)
     weight = torch.randn(N, K, generator=gen).to(dtype)
-    _assert_within_bound(linear_packed(x, weight, pack_linear_weight(weight)), x, weight)
+    b = torch.randn(N, generator=gen).to(dtype) if bias else None
+    _assert_within_bound(linear_packed(x, pack_linear_weight(weight), N, b), x, weight, b)
 
 
-def test_linear_packed_rejects_mismatched_weight():
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(("M", "N"), [(33, 533), (300, 1000)])
+def test_long_rows_span_several_chunks(M, N, dtype):
+    # Chunks of 240 (bf16, fp16) or 112 (fp32) rows at K = 8192 + 13; N a multiple of neither
+    # the chunk nor 16. Every output column is checked, so a chunk written to the wrong
+    # columns, or one left out, fails.
+    gen = torch.Generator().manual_seed(N)
+    K = 8192 + 13
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    weight = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=gen).to(dtype)
+    _assert_within_bound(linear_packed(x, pack_linear_weight(weight), N, b), x, weight, b)
+
+
+@pytest.mark.parametrize(("N", "K"), [(576, 2048), (3072, 2048), (2048, 1408)])
+def test_long_rows_model_shapes_bf16(N, K):
+    gen = torch.Generator().manual_seed(N + K)
+    x = torch.randn(64, K, generator=gen).bfloat16()
+    weight = (torch.randn(N, K, generator=gen) / K**0.5).bfloat16()
+    out = linear_packed(x, pack_linear_weight(weight), N)
+    _assert_within_bound(out, x, weight)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ("in_features", ValueError, "linear_packed: x has 30 features"),
+        ("out_features", ValueError, "linear_packed: out_features = 40 does not match"),
+        ("bias_shape", ValueError, r"linear_packed: bias must be \[out_features\] = \[20\]"),
+        ("bias_dtype", TypeError, "linear_packed: bias dtype"),
+        ("x_last_dim_strided", ValueError, "linear_packed: x's last dim must be contiguous"),
+        ("not_packed", ValueError, "linear_packed: packed_weight must come from"),
+    ],
+)
+@pytest.mark.parametrize("M", [3, 100])  # checked up front on either path
+def test_linear_packed_invalid_inputs_raise(change, error, match, M):
     weight = torch.randn(20, 24)
-    with pytest.raises(ValueError, match="does not match weight"):
-        linear_packed(torch.randn(3, 30), weight, pack_linear_weight(weight))
+    packed = pack_linear_weight(weight)
+    x, n, b = torch.randn(M, 24), 20, torch.randn(20)
+    if change == "in_features":
+        x = torch.randn(M, 30)
+    elif change == "out_features":
+        n = 40
+    elif change == "bias_shape":
+        b = torch.randn(21)
+    elif change == "bias_dtype":
+        b = b.double()
+    elif change == "x_last_dim_strided":
+        x = torch.randn(M, 48)[:, ::2]
+    elif change == "not_packed":
+        packed = weight
+    with pytest.raises(error, match=match):
+        linear_packed(x, packed, n, b)
+
+
+def test_unpack_rejects_mismatched_sizes():
+    packed = pack_linear_weight(torch.randn(20, 24))
+    with pytest.raises(ValueError, match="in_features = 26 does not match"):
+        unpack_linear_weight(packed, 20, 26)
+    with pytest.raises(ValueError, match="out_features = 33 does not match"):
+        unpack_linear_weight(packed, 33, 24)

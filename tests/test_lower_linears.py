@@ -1,5 +1,6 @@
-"""The lower_linears pass: every linear over a graph weight becomes mlafx.linear_packed,
-whose streaming (decode-sized) and ATen (larger) branches both reproduce the captured graph."""
+"""The lower_linears pass: every linear over a graph weight becomes mlafx.linear_packed, which
+reads the packed copy alone, and whose streaming (decode-sized) and chunked ATen (larger)
+branches both reproduce the captured graph."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from mlafx.graph.capture import capture_step, num_sample_blocks, sample_step_inputs
 from mlafx.models.step import SequenceSpan, build_step_inputs
+from mlafx.passes.derived_constants import packed_name, source_of
 from mlafx.passes.pipeline import lower_step_graph
 from mlafx.passes.verify import random_caches
 from tests.tiny_models import tiny_llm
@@ -38,12 +40,27 @@ def test_every_weight_linear_is_lowered_once(llm, lowered):
     routers = sum(1 for m in llm.model.modules() if type(m).__name__ == "Router")
     assert after[LINEAR] == routers and routers == 1
     assert after[PACKED] == before[LINEAR] - routers == by_stage["lower_linears"].rewrites
-    packed = {n.target for n in result.graph.graph.nodes if n.op == "get_attr"}
-    assert "lm_head.weight_packed" in packed
-    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_packed" in packed
+    read = {n.target for n in result.graph.graph.nodes if n.op == "get_attr"}
+    assert "lm_head.weight_packed" in read
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_packed" in read
+    # one copy of each weight: the lowered step reads no weight that it reads a packed copy of
+    packed = {name for name in read if name.endswith("_packed")}
+    sources = {source_of(name) for name in packed}
+    assert packed == {packed_name(source) for source in sources}
+    assert not read & sources
+    lower_attention_read = {
+        n.target for n in by_stage["lower_attention"].graph.graph.nodes if n.op == "get_attr"
+    }
+    assert sources <= lower_attention_read
+    for node in result.graph.graph.nodes:
+        if node.target is torch.ops.mlafx.linear_packed.default:
+            _, packed_weight, out_features, _ = node.args
+            source = result.graph.get_parameter(source_of(packed_weight.target))
+            assert out_features == source.shape[0]
 
 
-@pytest.mark.parametrize("new_tokens", [1, 3, 8, 9, 20])  # the switch to ATen is above 8 rows
+# fp32: rows above 8 take the chunked path (the packed weight unpacked for ATen's mm)
+@pytest.mark.parametrize("new_tokens", [1, 3, 8, 9, 20])
 def test_both_branches_match_the_captured_graph(llm, lowered, new_tokens):
     captured, result = lowered
     spans = [

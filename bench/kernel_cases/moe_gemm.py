@@ -1,4 +1,5 @@
-"""moe_experts and linear_decode: decode-shaped (bandwidth-bound) and prefill (compute-bound).
+"""moe_experts, linear_decode and linear_packed: decode-shaped (bandwidth-bound) and prefill
+(compute-bound).
 
 Cases (bf16, the embedded default's widths: D=2048, I=1408, 4 experts, top-2):
 - moe_experts decode, 8 tokens: bytes = the weights of the experts the tokens touched
@@ -8,6 +9,10 @@ Cases (bf16, the embedded default's widths: D=2048, I=1408, 4 experts, top-2):
 - linear_decode: lm_head 8 x 2048 -> 102400, and the projections (q 2048->3072, kv_a
   2048->576, kv_b 512->4096, o 2048->2048, shared experts 2048->5632 and 2816->2048) at 1
   and 8 rows: bytes = the weight; judged against the read bandwidth.
+- linear_packed, long rows (64, 512 and 2048 rows of q 2048->3072 and kv_a 2048->576; lm_head
+  2048->102400 at 64): the packed weight, the only copy a compiled step keeps, unpacked a chunk
+  of rows at a time for ATen's mm; flops = 2 * M * K * N, judged against the matmul rate (or
+  the read bandwidth, whichever is the floor) and against ``F.linear`` on the row-major weight.
 Weights are cold, as in a real decode step (~0.7 GB of weights per step, more than this
 CPU's L3): every call uses the next of several copies whose total exceeds 512 MB. With
 --quick there is one copy, so weights may be cache-hot: a smoke test, not a measurement.
@@ -130,6 +135,49 @@ def _linear_rows(roofline, quick, threads, name, in_f, out_f, batches, gen) -> l
     return rows
 
 
+LONG_ROWS = [  # name, in_features, out_features, rows of x
+    ("q_proj", 2048, 16 * 192, [64, 512, 2048]),
+    ("kv_a_proj", 2048, 512 + 64, [64, 512, 2048]),
+    ("lm_head", 2048, 102400, [64]),
+]
+
+
+def _long_linear_rows(roofline, quick, threads, name, in_f, out_f, batches, gen) -> list[Row]:
+    dtype = torch.bfloat16
+    nbytes = in_f * out_f * dtype.itemsize
+    copies = _copies(nbytes, quick)
+    weights = [
+        (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype) for _ in range(copies)
+    ]
+    packed = [(K.pack_linear_weight(w),) for w in weights]
+    rows = []
+    for m in batches:
+        x = torch.randn(m, in_f, generator=gen).to(dtype)
+        repeats = 3 if 2 * m * in_f * out_f > 2e10 else 7
+        for t in threads:
+            torch.set_num_threads(t)
+            ours = median_seconds(
+                _rotating(lambda p, x=x: K.linear_packed(x, p, out_f), packed), repeats=repeats
+            )
+            eager = median_seconds(
+                _rotating(lambda w, x=x: F.linear(x, w), [(w,) for w in weights]), repeats=repeats
+            )
+            rows.append(
+                make_row(
+                    roofline,
+                    op="linear_packed",
+                    case=f"{name} {m}x{in_f}->{out_f}",
+                    dtype=dtype,
+                    threads=t,
+                    seconds=ours,
+                    num_bytes=nbytes,
+                    flops=2 * m * in_f * out_f,
+                    baselines_s={"F.linear": eager},
+                )
+            )
+    return rows
+
+
 def run(roofline: Roofline, *, quick: bool, threads: list[int]) -> list[Row]:
     gen = torch.Generator().manual_seed(0)
     rows = _moe_rows(roofline, quick, threads, 8, gen)
@@ -138,4 +186,7 @@ def run(roofline: Roofline, *, quick: bool, threads: list[int]) -> list[Row]:
     projections = PROJECTIONS[:2] if quick else PROJECTIONS
     for name, in_f, out_f in projections:
         rows += _linear_rows(roofline, quick, threads, name, in_f, out_f, [1, 8], gen)
+    long_rows = [("q_proj", 2048, 16 * 192, [64, 512])] if quick else LONG_ROWS
+    for name, in_f, out_f, batches in long_rows:
+        rows += _long_linear_rows(roofline, quick, threads, name, in_f, out_f, batches, gen)
     return rows

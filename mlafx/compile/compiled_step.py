@@ -352,10 +352,13 @@ class CompiledStep:
                 package.package.unlink(missing_ok=True)
         self.embedding = constants[EMBEDDING]
         self.final_norm = constants[FINAL_NORM]
-        self.lm_head = constants[LM_HEAD]
+        lm_head = constants[LM_HEAD]  # [V, D]; the embedding itself when tied
+        self.vocab_size = lm_head.shape[0]
         self.lm_head_packed = with_derived_constants(constants, [packed_name(LM_HEAD)])[
             packed_name(LM_HEAD)
         ]
+        if release is not None and lm_head is not self.embedding:
+            release(LM_HEAD)
         inv_freq = constants.get(ROPE)
         self.rope_inv_freq = rope_inv_freq(config) if inv_freq is None else inv_freq
         self.rope_scale = rope_scale(config)
@@ -379,7 +382,7 @@ class CompiledStep:
         for runner, cache in zip(self.layers, caches, strict=True):
             (x,) = runner.run_flat([x, positions, cos, sin, cache, *meta_leaves])
         h = rms_norm(x.index_select(0, logits_indices), self.final_norm, self.config.rms_norm_eps)
-        return torch.ops.mlafx.linear_packed(h, self.lm_head, self.lm_head_packed, None)
+        return torch.ops.mlafx.linear_packed(h, self.lm_head_packed, self.vocab_size, None)
 
 
 def compile_step(

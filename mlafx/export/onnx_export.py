@@ -29,6 +29,7 @@ from mlafx.compile.compiled_step import LoweredGraph
 from mlafx.export.functional_step import check, make_functional, write_rows
 from mlafx.graph.capture import sample_step, step_dynamic_shapes
 from mlafx.models.safetensors_file import StoredTensor, tensor_locations
+from mlafx.passes.derived_constants import source_of
 
 log = logging.getLogger(__name__)
 ONNX_FILE = "step.onnx"
@@ -101,20 +102,32 @@ def export_onnx(
 
 def plain_linears(gm: torch.fx.GraphModule) -> int:
     """ONNX has no packed weight layout. Pattern -> replacement:
-    ``mlafx.linear_packed(x, W, W_packed, b)`` -> ``aten.linear(x, W, b)``; the packed
-    constants (derived at load time, never stored) are dropped from ``gm``, so the ONNX
-    model reads only the checkpoint's weights. Returns how many linears were rewritten."""
+    ``mlafx.linear_packed(x, W_packed, N, b)`` -> ``aten.linear(x, W, b)``, with ``W`` the
+    checkpoint weight ``W_packed`` was derived from (``derived_constants.source_of``), read by
+    a new ``get_attr``: the lowered step no longer reads it, but it is still an attribute of
+    ``gm`` (the lowered graph module keeps every weight of the captured one). The packed
+    constants (derived at load time, never stored) are dropped from ``gm``, so the ONNX model
+    reads only the checkpoint's weights. Returns how many linears were rewritten."""
     graph, packed_attrs, rewritten = gm.graph, set(), 0
+    weights: dict[str, torch.fx.Node] = {}  # one get_attr per source weight, at its first use
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.mlafx.linear_packed.default:
             continue
-        x, weight, packed, *bias = node.args
+        x, packed, _out_features, bias = node.args
+        source = source_of(packed.target) if packed.op == "get_attr" else None
+        if source is None or not _has_attr(gm, source):
+            raise ValueError(
+                f"plain_linears: {node.name} reads {packed}, not a packed weight of the graph "
+                "whose source weight is still an attribute of it"
+            )
         with graph.inserting_before(node):
-            linear = graph.call_function(torch.ops.aten.linear.default, (x, weight, *bias))
+            if source not in weights:
+                weights[source] = graph.get_attr(source)  # [N, K]
+            linear = graph.call_function(torch.ops.aten.linear.default, (x, weights[source], bias))
         linear.meta = dict(node.meta)
         node.replace_all_uses_with(linear)
         graph.erase_node(node)
-        if packed.op == "get_attr" and not packed.users:
+        if not packed.users:
             packed_attrs.add(packed.target)
             graph.erase_node(packed)
         rewritten += 1
@@ -125,6 +138,15 @@ def plain_linears(gm: torch.fx.GraphModule) -> int:
     graph.lint()
     gm.recompile()
     return rewritten
+
+
+def _has_attr(gm: torch.fx.GraphModule, target: str) -> bool:
+    owner_path, _, attr = target.rpartition(".")
+    try:
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+    except AttributeError:
+        return False
+    return isinstance(getattr(owner, attr, None), torch.Tensor)
 
 
 def _point_initializers_at(

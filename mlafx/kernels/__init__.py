@@ -7,7 +7,7 @@ hint if it is missing or stale) and registers the ops' fake implementations.
 - ``ops.py``: typed wrappers and fakes; the schemas live in ``csrc/<family>.cpp``
 - ``reference.py``: slow Python references the tests compare against
 - ``attention_ops.py``, ``attention_reference.py``: the attention ops' wrappers/fakes, references
-- ``gemm_ops.py``, ``gemm_reference.py``: decode-shaped linear (packed weights), references
+- ``gemm_ops.py``, ``gemm_reference.py``: linears on packed weights, references
 - ``moe_ops.py``, ``moe_reference.py``: routed MoE experts, reference
 - ``csrc/``: C++ kernels (``*_avx512.cpp`` compiled with AVX-512 flags, chosen at run time)
 """
@@ -25,7 +25,12 @@ from mlafx.kernels.extension import (
     load_extension,
     parallel_num_threads,
 )
-from mlafx.kernels.gemm_ops import linear_decode, linear_packed, pack_linear_weight
+from mlafx.kernels.gemm_ops import (
+    linear_decode,
+    linear_packed,
+    pack_linear_weight,
+    unpack_linear_weight,
+)
 from mlafx.kernels.moe_ops import moe_experts
 from mlafx.kernels.ops import write_latent_cache
 
@@ -42,6 +47,7 @@ __all__ = [
     "moe_experts",
     "pack_linear_weight",
     "parallel_num_threads",
+    "unpack_linear_weight",
     "varlen_attention",
     "write_latent_cache",
 ]

@@ -1,9 +1,11 @@
-"""Typed wrappers and fakes of the decode-shaped linear ops (schemas: ``csrc/gemm.cpp``).
+"""Typed wrappers and fakes of the linear ops on packed weights (schemas: ``csrc/gemm.cpp``).
 
 The weight of a linear is packed once, at load time, with :func:`pack_linear_weight` and kept
-as a named weight; :func:`linear_decode` then streams it at memory bandwidth for a few rows
-of x (decode: lm_head, projections, shared experts); :func:`linear_packed` picks it or
-ATen's linear by the number of rows. References: ``gemm_reference.py``.
+as a named weight in place of the checkpoint's: :func:`linear_decode` streams it at memory
+bandwidth for a few rows of x (decode: lm_head, projections, shared experts);
+:func:`linear_packed` picks that or, for more rows, ATen's matmul on the weight unpacked a
+chunk of rows at a time. :func:`unpack_linear_weight` is the inverse of the packing.
+References: ``gemm_reference.py``.
 """
 
 from __future__ import annotations
@@ -27,35 +29,55 @@ def _pack_linear_weight_fake(weight: torch.Tensor) -> torch.Tensor:
     return weight.new_empty((blocks, (k + 1) // 2, 2 * PACKED_BLOCK_ROWS))
 
 
+def _check_packed(packed_weight: torch.Tensor, out_features: int) -> None:
+    torch._check(
+        packed_weight.dtype in _FLOAT_DTYPES,
+        lambda: f"packed_weight dtype {packed_weight.dtype} unsupported",
+    )
+    torch._check(packed_weight.dim() == 3 and packed_weight.shape[2] == 2 * PACKED_BLOCK_ROWS)
+    torch._check(
+        (out_features + PACKED_BLOCK_ROWS - 1) // PACKED_BLOCK_ROWS == packed_weight.shape[0]
+    )
+
+
+@torch.library.register_fake("mlafx::unpack_linear_weight")
+def _unpack_linear_weight_fake(
+    packed_weight: torch.Tensor, out_features: int, in_features: int
+) -> torch.Tensor:
+    _check_packed(packed_weight, out_features)
+    torch._check((in_features + 1) // 2 == packed_weight.shape[1])
+    return packed_weight.new_empty((out_features, in_features))
+
+
 @torch.library.register_fake("mlafx::linear_decode")
 def _linear_decode_fake(
     x: torch.Tensor, packed_weight: torch.Tensor, out_features: int
 ) -> torch.Tensor:
+    _check_packed(packed_weight, out_features)
     torch._check(x.dtype in _FLOAT_DTYPES, lambda: f"x dtype {x.dtype} unsupported")
     torch._check(
         packed_weight.dtype == x.dtype,
         lambda: f"packed_weight dtype {packed_weight.dtype} must equal x's {x.dtype}",
     )
     torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {tuple(x.shape)}")
-    torch._check(packed_weight.dim() == 3 and packed_weight.shape[2] == 2 * PACKED_BLOCK_ROWS)
     torch._check((x.shape[1] + 1) // 2 == packed_weight.shape[1])
-    torch._check(
-        (out_features + PACKED_BLOCK_ROWS - 1) // PACKED_BLOCK_ROWS == packed_weight.shape[0]
-    )
     return x.new_empty((x.shape[0], out_features))
 
 
 @torch.library.register_fake("mlafx::linear_packed")
 def _linear_packed_fake(
     x: torch.Tensor,
-    weight: torch.Tensor,
     packed_weight: torch.Tensor,
+    out_features: int,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    torch._check(weight.dim() == 2, lambda: f"weight must be 2-D, got {tuple(weight.shape)}")
-    torch._check(weight.dtype == x.dtype, lambda: f"weight dtype {weight.dtype} != x's {x.dtype}")
-    torch._check(x.dim() == 2 and x.shape[1] == weight.shape[1])
-    return _linear_decode_fake(x, packed_weight, weight.shape[0])
+    if bias is not None:
+        torch._check(
+            bias.dim() == 1 and bias.shape[0] == out_features,
+            lambda: f"bias must be [{out_features}], got {tuple(bias.shape)}",
+        )
+        torch._check(bias.dtype == x.dtype, lambda: f"bias dtype {bias.dtype} != x's {x.dtype}")
+    return _linear_decode_fake(x, packed_weight, out_features)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -73,14 +95,24 @@ def linear_decode(
     return torch.ops.mlafx.linear_decode(x, packed_weight, out_features)
 
 
-def linear_packed(
-    x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [N, K], the checkpoint's
-    packed_weight: torch.Tensor,  # pack_linear_weight(weight)
-    bias: torch.Tensor | None = None,
+def unpack_linear_weight(
+    packed_weight: torch.Tensor,  # from pack_linear_weight(weight [N, K])
+    out_features: int,  # N
+    in_features: int,  # K
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, choosing the kernel by the number of rows at run time:
-    the packed streaming kernel for decode-sized ``x`` (at most 8 rows, where it beats
-    oneDNN), ATen's linear on ``weight`` above (compute-bound). What the compiler lowers a
-    model's linears to, so one graph serves decode and prefill steps."""
-    return torch.ops.mlafx.linear_packed(x, weight, packed_weight, bias)
+    """The inverse of :func:`pack_linear_weight`: packed -> weight [N, K], same dtype."""
+    return torch.ops.mlafx.unpack_linear_weight(packed_weight, out_features, in_features)
+
+
+def linear_packed(
+    x: torch.Tensor,  # [M, K], last dim contiguous
+    packed_weight: torch.Tensor,  # pack_linear_weight(weight [N, K])
+    out_features: int,  # N
+    bias: torch.Tensor | None = None,  # [N], x's dtype
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` from the packed weight alone, choosing the kernel by the
+    number of rows at run time: the streaming kernel for decode-sized ``x`` (at most 32 bf16
+    rows on an AVX-512 BF16 CPU, else 8), above that ATen's matmul (oneDNN) on the weight
+    unpacked a chunk of output rows at a time. What the compiler lowers a model's linears to,
+    so one graph serves decode and prefill steps with one copy of each weight."""
+    return torch.ops.mlafx.linear_packed(x, packed_weight, out_features, bias)

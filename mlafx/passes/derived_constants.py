@@ -3,7 +3,8 @@ a checkpoint or an artifact, and derived again by whoever loads the compiled gra
 
 Each lives next to its source weight (same module) under a name that says how to derive it:
 
-- ``<w>_packed``: ``pack_linear_weight(w)`` (``lower_linears``: the streaming layout).
+- ``<w>_packed``: ``pack_linear_weight(w)`` (``lower_linears``: the layout every lowered
+  linear reads, which replaces ``w`` in the step: ``mlafx::unpack_linear_weight`` inverts it).
 - ``<w>_uk_h<H>_p<P>``: ``w.view(H, P + V, Lkv)[:, :P]`` as a contiguous ``[H, P, Lkv]``
   (``absorb_weights``: ``W_UK`` of ``kv_b_proj``).
 - ``<w>_uvt_h<H>_p<P>``: ``w.view(H, P + V, Lkv)[:, P:]`` transposed to a contiguous

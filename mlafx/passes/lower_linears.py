@@ -1,17 +1,21 @@
-"""Lower the model's linears to ``mlafx.linear_packed``: decode-sized steps stream a packed
-copy of the weight at memory bandwidth, larger ones keep ATen's GEMM.
+"""Lower the model's linears to ``mlafx.linear_packed``, which reads only a packed copy of the
+weight: decode-sized steps stream it at memory bandwidth, larger ones unpack it a chunk of
+rows at a time for ATen's GEMM. The packed copy replaces the checkpoint's weight in the step.
 
 Pattern: ``aten.linear(x, W)`` or ``aten.linear(x, W, b)`` where ``W`` is a 2-D weight of the
 graph (a ``get_attr``: q/kv/o projections, shared experts, dense MLPs, lm_head, and the
 split attention path's ``kv_b_proj`` decompression) and ``x`` is 2-D. Weights computed in
 the graph (the fp32 router's cast weight) do not match.
-Replacement: ``mlafx.linear_packed(x, W, W_packed, b)``, where ``W_packed`` =
-``pack_linear_weight(W)`` is a derived constant named ``<W's name>_packed`` next to ``W``.
+Replacement: ``mlafx.linear_packed(x, W_packed, N, b)``, where ``W_packed`` =
+``pack_linear_weight(W)`` is a derived constant named ``<W's name>_packed`` next to ``W`` and
+``N`` is ``W``'s number of rows.
 Requires: nothing beyond the pattern; run after ``lower_attention`` (whose absorbed
-weights are views of ``kv_b_proj.weight``, not linears).
+weights are derived constants of ``kv_b_proj.weight``, not linears).
 Ensures: no ``aten.linear`` over a graph weight remains; each weight is packed once however
-many linears share it. Packed constants are not checkpoint weights: whoever loads the
-compiled graph derives them again from ``W`` (``passes/derived_constants.py``).
+many linears share it; the rewritten linears no longer read ``W`` (the clean-up drops its
+``get_attr`` unless something else, such as a tied embedding, still reads it), so a compiled
+graph asks for ``W_packed`` alone. Packed constants are not checkpoint weights: whoever loads
+the compiled graph derives them again from ``W`` (``passes/derived_constants.py``).
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ def lower_linears(gm: fx.GraphModule) -> int:
             continue
         with graph.inserting_before(node):
             packed = derived_attr(gm, packed_name(weight.target))
+            out_features = int(weight_shape[0])
             lowered = graph.call_function(
-                torch.ops.mlafx.linear_packed.default, (x, weight, packed, bias)
+                torch.ops.mlafx.linear_packed.default, (x, packed, out_features, bias)
             )
         lowered.meta = dict(node.meta)
         node.replace_all_uses_with(lowered)

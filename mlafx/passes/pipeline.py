@@ -6,7 +6,8 @@
                            + merge_attn_states for the split rows (absorb_weights: the
                            W_UK/W_UV views)
     lower_linears       -> mlafx.linear_packed for every linear over a graph weight
-                           (packed copies as new constants ``<weight>_packed``)
+                           (packed copies as new constants ``<weight>_packed``, which
+                           replace the weights they are derived from)
     cleanup             -> dead-code elimination, lint, recompile
     verify              -> numeric check against the captured graph on a sample step whose
                            rows take both paths; a mismatch keeps the captured graph and

@@ -4,11 +4,14 @@
 //
 //   pack_linear_weight(weight [N, K]) -> packed [ceil(N/16), ceil(K/2), 32]   (same dtype)
 //       packed[b, p, 2*i + j] = weight[16*b + i, 2*p + j], zero where that is out of range
+//   unpack_linear_weight(packed, out_features = N, in_features = K) -> weight [N, K]
+//       the exact inverse of pack_linear_weight
 //   linear_decode(x [M, K], packed, out_features = N) -> out [M, N]   (x's dtype)
 //       x last-dim contiguous (rows may be strided); fp32 accumulation, one rounding at the end
-//   linear_packed(x [M, K], weight [N, K], packed, bias?) -> x @ weight^T + bias
-//       what the compiler lowers a model's linears to: linear_decode for M <= stream_max_rows(),
-//       ATen's linear (oneDNN) on the checkpoint's weight above, where it is compute-bound
+//   linear_packed(x [M, K], packed, out_features = N, bias?) -> x @ W^T + bias
+//       what the compiler lowers a model's linears to, so the packed copy is the only copy of
+//       W: linear_decode for M <= stream_max_rows(); above, where the product is
+//       compute-bound, ATen's matmul (oneDNN) on W unpacked a chunk of output rows at a time
 //
 // Why a packed layout, and not oneDNN or the row-major weight (bench/kernel_cases/moe_gemm.py;
 // 2 threads, cold weights, quiet machine, read bandwidth 18.6 GB/s, bf16):
@@ -25,15 +28,17 @@
 // measured ~80 vs ~120 GFLOP/s per core.
 // Any M works, but past ~32 rows the product is compute-bound and this kernel (on the Xeon,
 // ~100-120 GFLOP/s per core) is far from ATen's matmul (oneDNN, ~650-750 GFLOP/s on 2
-// threads): a prefill linear should keep the unpacked weight and ATen's matmul, a decode linear the
-// packed copy; keeping both doubles those weights' memory (a choice for the compiler).
+// threads). Keeping the checkpoint's row-major W for those rows would double the linears'
+// memory; instead linear_packed unpacks W a chunk of rows at a time into a small row-major
+// scratch that stays in cache while oneDNN multiplies it: the weight is still read from memory
+// once per call, as oneDNN reads it, and the unpacking is a transpose of column pairs in cache.
 //
 // Python references: mlafx/kernels/gemm_reference.py.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -41,6 +46,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -108,6 +114,42 @@ void packed_dot_scalar(const scalar_t* x, int64_t ldx, int64_t M, const scalar_t
         dst[i] = acc[i];
       }
     }
+  }
+}
+
+// Rows [n_begin, n_end) of W back out of the packed layout into dst (row stride ldd). A block
+// is a [K2][16] array of column pairs; it is transposed to [16][K2] a tile of pairs at a time,
+// so the reads stay in a few KB of L1 and the writes run along rows. Pure data movement: one
+// instantiation per element size, whatever the float type.
+template <typename element_t>
+void unpack_rows(const element_t* packed, int64_t K, int64_t n_begin, int64_t n_end,
+                 element_t* dst, int64_t ldd) {
+  constexpr int64_t kTilePairs = 64;
+  constexpr int64_t kBlockWidth = 2 * kPackedBlockRows;
+  const int64_t K2 = (K + 1) / 2;
+  const int64_t full_pairs = K / 2;
+  for (int64_t n = n_begin; n < n_end;) {
+    const int64_t b = n / kPackedBlockRows;
+    const int64_t row0 = b * kPackedBlockRows;
+    const int64_t i_begin = n - row0;
+    const int64_t i_end = std::min(kPackedBlockRows, n_end - row0);
+    const element_t* block = packed + b * K2 * kBlockWidth;
+    element_t* rows = dst + (row0 - n_begin) * ldd;
+    for (int64_t p0 = 0; p0 < full_pairs; p0 += kTilePairs) {
+      const int64_t p1 = std::min(full_pairs, p0 + kTilePairs);
+      for (int64_t i = i_begin; i < i_end; ++i) {
+        element_t* row = rows + i * ldd;
+        for (int64_t p = p0; p < p1; ++p) {
+          std::memcpy(row + 2 * p, block + p * kBlockWidth + 2 * i, 2 * sizeof(element_t));
+        }
+      }
+    }
+    if (K % 2 != 0) {  // the last column, whose pair partner is padding
+      for (int64_t i = i_begin; i < i_end; ++i) {
+        rows[i * ldd + K - 1] = block[full_pairs * kBlockWidth + 2 * i];
+      }
+    }
+    n = row0 + i_end;
   }
 }
 
@@ -210,41 +252,103 @@ at::Tensor pack_linear_weight(const at::Tensor& weight  // [N, K]
       .view({blocks, K2, 2 * kPackedBlockRows});
 }
 
+// packed_weight as pack_linear_weight makes it for out_features rows. Its in_features are
+// checked by the callers (from x, or from their own argument).
+void check_packed(const char* op, const at::Tensor& packed,  // [ceil(N/16), ceil(K/2), 32]
+                  int64_t out_features) {
+  TORCH_CHECK(packed.device().is_cpu(), op, ": packed_weight must be on the CPU, got ",
+              packed.device());
+  TORCH_CHECK_TYPE(is_supported_float(packed.scalar_type()), op,
+                   ": packed_weight must be bfloat16, float16 or float32, got ",
+                   packed.scalar_type());
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == 2 * kPackedBlockRows, op,
+                    ": packed_weight must come from pack_linear_weight "
+                    "([ceil(N/16), ceil(K/2), 32]), got shape ",
+                    packed.sizes());
+  TORCH_CHECK_VALUE(packed.is_contiguous(), op, ": packed_weight must be contiguous");
+  const int64_t blocks = packed.size(0);
+  TORCH_CHECK_VALUE(
+      out_features >= 0 && (out_features + kPackedBlockRows - 1) / kPackedBlockRows == blocks, op,
+      ": out_features = ", out_features, " does not match packed_weight's ", blocks,
+      " blocks of ", kPackedBlockRows, " rows");
+}
+
+// x for a product with packed_weight (already checked): same dtype, [M, K] with K packed to
+// ceil(K/2) column pairs, last dim contiguous (the streaming kernel reads rows as they lie).
+void check_rows(const char* op, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be on the CPU, got ", x.device());
+  TORCH_CHECK_TYPE(is_supported_float(x.scalar_type()), op,
+                   ": x must be bfloat16, float16 or float32, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(packed.scalar_type() == x.scalar_type(), op, ": packed_weight dtype ",
+                   packed.scalar_type(), " must equal x's dtype ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be [num_rows, in_features], got shape ",
+                    x.sizes());
+  const int64_t K = x.size(1);
+  TORCH_CHECK_VALUE((K + 1) / 2 == packed.size(1), op, ": x has ", K,
+                    " features but packed_weight was packed for ", 2 * packed.size(1) - 1, " or ",
+                    2 * packed.size(1));
+  TORCH_CHECK_VALUE(K <= 1 || x.stride(1) == 1, op,
+                    ": x's last dim must be contiguous, got strides ", x.strides());
+}
+
+// Rows [n_begin, n_end) of W out of the packed layout into dst (row stride ldd >= K), on one
+// thread. bf16 and fp16 alike take the AVX-512 transpose: the pairs are moved, never read as
+// numbers.
+void unpack_rows_any(const at::Tensor& packed, int64_t K, int64_t n_begin, int64_t n_end,
+                     void* dst, int64_t ldd) {
+  if (packed.element_size() == 4) {
+    unpack_rows(static_cast<const uint32_t*>(packed.const_data_ptr()), K, n_begin, n_end,
+                static_cast<uint32_t*>(dst), ldd);
+  } else if (use_avx512_bf16()) {
+    avx512::unpack_rows_16bit(static_cast<const uint16_t*>(packed.const_data_ptr()), K, n_begin,
+                              n_end, static_cast<uint16_t*>(dst), ldd);
+  } else {
+    unpack_rows(static_cast<const uint16_t*>(packed.const_data_ptr()), K, n_begin, n_end,
+                static_cast<uint16_t*>(dst), ldd);
+  }
+}
+
+// The same on all threads, each a contiguous range of blocks (at least ~64 KB of weight, as in
+// linear_decode). dst: [n_end - n_begin, ldd].
+void unpack_rows_parallel(const at::Tensor& packed, int64_t K, int64_t n_begin, int64_t n_end,
+                          void* dst, int64_t ldd) {
+  const int64_t element_size = static_cast<int64_t>(packed.element_size());
+  const int64_t block_bytes = std::max<int64_t>(packed.size(1), 1) * 2 * kPackedBlockRows *
+                              element_size;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / block_bytes);
+  at::parallel_for(n_begin / kPackedBlockRows, (n_end + kPackedBlockRows - 1) / kPackedBlockRows,
+                   grain, [&](int64_t b0, int64_t b1) {
+                     const int64_t r0 = std::max(n_begin, b0 * kPackedBlockRows);
+                     const int64_t r1 = std::min(n_end, b1 * kPackedBlockRows);
+                     char* rows = static_cast<char*>(dst) + (r0 - n_begin) * ldd * element_size;
+                     unpack_rows_any(packed, K, r0, r1, rows, ldd);
+                   });
+}
+
+at::Tensor unpack_linear_weight(const at::Tensor& packed,  // [ceil(N/16), ceil(K/2), 32]
+                                int64_t out_features,      // N
+                                int64_t in_features        // K
+) {
+  check_packed("unpack_linear_weight", packed, out_features);
+  TORCH_CHECK_VALUE(in_features >= 0 && (in_features + 1) / 2 == packed.size(1),
+                    "unpack_linear_weight: in_features = ", in_features,
+                    " does not match packed_weight's ", packed.size(1), " column pairs");
+  at::Tensor weight = at::empty({out_features, in_features}, packed.options());  // [N, K]
+  unpack_rows_parallel(packed, in_features, 0, out_features, weight.data_ptr(), in_features);
+  return weight;
+}
+
 // Output rows computed per step of a thread: the fp32 scratch ([M, 256]) stays in L1/L2 and is
 // rounded into the output right away, so no fp32 copy of the whole output is made.
 constexpr int64_t kBlocksPerStep = 16;
 
-at::Tensor linear_decode(const at::Tensor& x,       // [M, K]
-                         const at::Tensor& packed,  // [ceil(N/16), ceil(K/2), 32]
-                         int64_t out_features       // N
-) {
-  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(),
-              "linear_decode: x and packed_weight must be on the CPU, got ", x.device(), " and ",
-              packed.device());
-  TORCH_CHECK_TYPE(is_supported_float(x.scalar_type()),
-                   "linear_decode: x must be bfloat16, float16 or float32, got ",
-                   x.scalar_type());
-  TORCH_CHECK_TYPE(packed.scalar_type() == x.scalar_type(), "linear_decode: packed_weight dtype ",
-                   packed.scalar_type(), " must equal x's dtype ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.dim() == 2, "linear_decode: x must be [num_rows, in_features], got shape ",
-                    x.sizes());
-  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(2) == 2 * kPackedBlockRows,
-                    "linear_decode: packed_weight must come from pack_linear_weight "
-                    "([ceil(N/16), ceil(K/2), 32]), got shape ",
-                    packed.sizes());
-  TORCH_CHECK_VALUE(packed.is_contiguous(), "linear_decode: packed_weight must be contiguous");
+// The streaming kernel on checked inputs.
+at::Tensor linear_streaming(const at::Tensor& x,       // [M, K]
+                            const at::Tensor& packed,  // [ceil(N/16), ceil(K/2), 32]
+                            int64_t N) {
   const int64_t M = x.size(0);
   const int64_t K = x.size(1);
-  const int64_t N = out_features;
   const int64_t blocks = packed.size(0);
-  TORCH_CHECK_VALUE(N >= 0 && (N + kPackedBlockRows - 1) / kPackedBlockRows == blocks,
-                    "linear_decode: out_features = ", N, " does not match packed_weight's ",
-                    blocks, " blocks of ", kPackedBlockRows, " rows");
-  TORCH_CHECK_VALUE((K + 1) / 2 == packed.size(1), "linear_decode: x has ", K,
-                    " features but packed_weight was packed for ", 2 * packed.size(1) - 1, " or ",
-                    2 * packed.size(1));
-  TORCH_CHECK_VALUE(K <= 1 || x.stride(1) == 1,
-                    "linear_decode: x's last dim must be contiguous, got strides ", x.strides());
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) {
     return out;
@@ -289,6 +393,52 @@ at::Tensor linear_decode(const at::Tensor& x,       // [M, K]
   return out;
 }
 
+at::Tensor linear_decode(const at::Tensor& x,       // [M, K]
+                         const at::Tensor& packed,  // [ceil(N/16), ceil(K/2), 32]
+                         int64_t out_features       // N
+) {
+  check_packed("linear_decode", packed, out_features);
+  check_rows("linear_decode", x, packed);
+  return linear_streaming(x, packed, out_features);
+}
+
+// Weight bytes unpacked per chunk on the long-rows path: the row-major scratch stays in the L3
+// while oneDNN reads it, and each call gets enough output columns to run near its matmul rate.
+// Measured on Zen 4 (2 threads, bf16, cold weights, against F.linear; noisy to ~5%): 4 MB gave
+// 0.90-0.97x at 512 and 2048 rows of q 2048->3072 and kv_a 2048->576; 2 MB 0.87-0.95x; 1 MB and
+// 512 KB chunks given one per thread, each multiplied by a single-threaded mm, 0.82-0.98x. The
+// unpacking itself (an AVX-512 transpose of column pairs) runs at ~35 GB/s in cache: ~120 us
+// per 4 MB chunk. It is not overlapped with the products, which at 64 rows are short enough
+// for that to show: ~0.7-0.8x of F.linear there.
+constexpr int64_t kUnpackChunkBytes = int64_t{4} << 20;
+
+// x [M, K] @ W^T on checked inputs, for M above stream_max_rows(): W unpacked a chunk of output
+// rows (a multiple of 16) at a time into one row-major scratch, which ATen's mm (oneDNN)
+// multiplies into those columns of the output. No copy of the whole W is ever made.
+at::Tensor linear_chunked_mm(const at::Tensor& x,       // [M, K]
+                             const at::Tensor& packed,  // [ceil(N/16), ceil(K/2), 32]
+                             int64_t N) {
+  const int64_t M = x.size(0);
+  const int64_t K = x.size(1);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) {
+    return out;
+  }
+  const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(x.element_size());
+  const int64_t chunk_rows =
+      std::min(packed.size(0) * kPackedBlockRows,
+               std::max(kPackedBlockRows,
+                        kUnpackChunkBytes / row_bytes / kPackedBlockRows * kPackedBlockRows));
+  at::Tensor scratch = at::empty({chunk_rows, K}, x.options());  // [chunk_rows, K] rows of W
+  for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
+    const int64_t rows = std::min(chunk_rows, N - n0);
+    unpack_rows_parallel(packed, K, n0, n0 + rows, scratch.data_ptr(), K);
+    at::Tensor columns = out.narrow(1, n0, rows);  // [M, rows], row stride N
+    at::mm_out(columns, x, scratch.narrow(0, 0, rows).t());
+  }
+  return out;
+}
+
 // The most rows of x for which streaming the packed weight beats ATen's GEMM (oneDNN). bf16 on
 // the AVX-512 BF16 or AMX kernels: 32, the decode-sized range. Measured on Zen 4 (2 threads,
 // VDPBF16PS streaming vs ATen's linear, the embedded default's projections and lm_head): the
@@ -304,21 +454,22 @@ int64_t stream_max_rows(const at::Tensor& x) {
 }
 
 at::Tensor linear_packed(const at::Tensor& x,       // [M, K]
-                         const at::Tensor& weight,  // [N, K], the checkpoint's
-                         const at::Tensor& packed,  // pack_linear_weight(weight)
-                         const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(weight.dim() == 2,
-                    "linear_packed: weight must be [out_features, in_features], got shape ",
-                    weight.sizes());
-  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), "linear_packed: weight dtype ",
-                   weight.scalar_type(), " must equal x's dtype ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(1) == weight.size(1), "linear_packed: x ", x.sizes(),
-                    " does not match weight ", weight.sizes());
-  if (x.size(0) > stream_max_rows(x)) {
-    return at::linear(x, weight, bias);
+                         const at::Tensor& packed,  // pack_linear_weight(W [N, K])
+                         int64_t out_features,      // N
+                         const std::optional<at::Tensor>& bias) {  // [N] or none
+  check_packed("linear_packed", packed, out_features);
+  check_rows("linear_packed", x, packed);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == out_features,
+                      "linear_packed: bias must be [out_features] = [", out_features,
+                      "], got shape ", bias->sizes());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "linear_packed: bias dtype ",
+                     bias->scalar_type(), " must equal x's dtype ", x.scalar_type());
   }
-  at::Tensor out = linear_decode(x, packed, weight.size(0));
-  if (bias.has_value() && bias->defined()) {
+  at::Tensor out = x.size(0) <= stream_max_rows(x) ? linear_streaming(x, packed, out_features)
+                                                   : linear_chunked_mm(x, packed, out_features);
+  if (has_bias) {
     out.add_(*bias);
   }
   return out;
@@ -329,12 +480,14 @@ at::Tensor linear_packed(const at::Tensor& x,       // [M, K]
 
 TORCH_LIBRARY_FRAGMENT(mlafx, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("unpack_linear_weight(Tensor packed_weight, int out_features, int in_features) -> Tensor");
   m.def("linear_decode(Tensor x, Tensor packed_weight, int out_features) -> Tensor");
-  m.def("linear_packed(Tensor x, Tensor weight, Tensor packed_weight, Tensor? bias) -> Tensor");
+  m.def("linear_packed(Tensor x, Tensor packed_weight, int out_features, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mlafx, CPU, m) {
   m.impl("pack_linear_weight", &mlafx::pack_linear_weight);
+  m.impl("unpack_linear_weight", &mlafx::unpack_linear_weight);
   m.impl("linear_decode", &mlafx::linear_decode);
   m.impl("linear_packed", &mlafx::linear_packed);
 }
