@@ -128,6 +128,7 @@ def test_allow_unlowered_serves_the_captured_layers_uncached(tmp_path, monkeypat
     )
     assert "UNLOWERED" in caplog.text
     assert packages_in(tmp_path) == []
+    assert unlowered.compiled.reads_key_rows  # the reference attention reads them
     assert_same_greedy(greedy(reference), greedy(unlowered))
 
 

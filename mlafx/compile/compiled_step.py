@@ -146,7 +146,7 @@ class LayerPackage:
     kind: LayerKind
     package: Path
     lowering: LoweringResult | None  # None when the package came from the cache
-    cached: bool = True  # False: an unlowered stand-in, deleted once loaded
+    unlowered: bool = False  # the captured layer (allow_unlowered): not cached, deleted once loaded
 
 
 def _checked(lowering: LoweringResult, what: str) -> LoweringResult:
@@ -268,7 +268,7 @@ def layer_package(
             fd, stand_in = tempfile.mkstemp(dir=package.parent, suffix=".unlowered.pt2")
             os.close(fd)
             build_aoti_package(lowered.program, Path(stand_in))
-            return LayerPackage(kind, Path(stand_in), lowered.lowering, cached=False)
+            return LayerPackage(kind, Path(stand_in), lowered.lowering, unlowered=True)
         build_aoti_package(lowered.program, package)
         log.warning("  compiled in %.1f s", time.perf_counter() - start)
         return LayerPackage(kind, package, lowered.lowering)
@@ -315,15 +315,14 @@ def layer_constants(constants: dict[str, torch.Tensor], layer: int) -> dict[str,
 
 class CompiledStep:
     """Callable like the model: ``step(input_ids, positions, caches, meta, logits_indices)``.
-    Its kernels read the per-sequence fields of ``meta``, not the key rows (``StepFn``).
+    Its kernels read the per-sequence fields of ``meta``, not the key rows (``StepFn``),
+    unless a layer runs unlowered.
 
     ``constants``: the model's weights and buffers by their FQNs (``model_constants``).
     ``release(name)``, if given, is called for every weight no loaded package and no end of
     the step reads (a source a derived constant replaced), once its layer is loaded: the
     caller drops its own reference, so that only one copy of each weight stays.
     """
-
-    reads_key_rows = False
 
     def __init__(
         self,
@@ -348,8 +347,10 @@ class CompiledStep:
                 for name in sorted(own.keys() - kept):
                     release(prefix + name[len(LAYER_PREFIX) :])
         for package in packages:
-            if not package.cached:
+            if package.unlowered:
                 package.package.unlink(missing_ok=True)
+        # an unlowered layer runs the reference attention, which reads the key rows
+        self.reads_key_rows = any(p.unlowered for p in packages)
         self.embedding = constants[EMBEDDING]
         self.final_norm = constants[FINAL_NORM]
         lm_head = constants[LM_HEAD]  # [V, D]; the embedding itself when tied
