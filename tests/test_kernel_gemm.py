@@ -255,8 +255,8 @@ def test_other_paths_match_reference(tmp_path, isa, env_overrides):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-# Both sides of the streaming/chunked switch: 8 rows (32 for bf16 on an AVX-512 BF16 CPU).
-@pytest.mark.parametrize("M", [0, 1, 8, 9, 32, 33, 100, 300])
+# Both sides of the streaming/chunked switch: 8 rows (bf16: 32 with AMX, 256 without).
+@pytest.mark.parametrize("M", [0, 1, 8, 9, 32, 33, 100, 256, 257, 300])
 @pytest.mark.parametrize("K", [77, 78])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_linear_packed_is_linear_on_both_paths(M, K, dtype, bias):
@@ -278,8 +278,8 @@ def test_linear_packed_is_linear_on_both_paths(M, K, dtype, bias):
 
 @settings(max_examples=80, deadline=None)
 @given(
-    # both sides of the 8- and 32-row switches, and long rows
-    M=st.sampled_from([0, 1, 7, 8, 9, 16, 31, 32, 33, 100, 300]),
+    # both sides of the 8-, 32- and 256-row switches, and long rows
+    M=st.sampled_from([0, 1, 7, 8, 9, 16, 31, 32, 33, 100, 256, 257, 300]),
     # 8192 + 13: rows of 16 KB, so a 16-bit chunk of 4 MB is 240 rows and N = 533 takes three
     # (fp32: 112 rows, five)
     K=st.sampled_from([1, 3, 64 + 13, 64 + 14, 8192 + 13]),

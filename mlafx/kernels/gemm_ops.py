@@ -111,8 +111,9 @@ def linear_packed(
     bias: torch.Tensor | None = None,  # [N], x's dtype
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` from the packed weight alone, choosing the kernel by the
-    number of rows at run time: the streaming kernel for decode-sized ``x`` (at most 32 bf16
-    rows on an AVX-512 BF16 CPU, else 8), above that ATen's matmul (oneDNN) on the weight
-    unpacked a chunk of output rows at a time. What the compiler lowers a model's linears to,
-    so one graph serves decode and prefill steps with one copy of each weight."""
+    number of rows at run time: the streaming kernel for decode-sized ``x`` (bf16: at most 32
+    rows with AMX, 256 on an AVX-512 BF16 CPU without it; else 8), above that ATen's matmul
+    (oneDNN) on the weight unpacked a chunk of output rows at a time. What the compiler
+    lowers a model's linears to, so one graph serves decode and prefill steps with one copy
+    of each weight."""
     return torch.ops.mlafx.linear_packed(x, packed_weight, out_features, bias)

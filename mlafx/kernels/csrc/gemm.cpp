@@ -480,16 +480,21 @@ at::Tensor linear_chunked_mm(const at::Tensor& x,       // [M, K]
   return out;
 }
 
-// The most rows of x for which streaming the packed weight beats ATen's GEMM (oneDNN). bf16 on
-// the AVX-512 BF16 or AMX kernels: 32, the decode-sized range. Measured on Zen 4 (2 threads,
-// VDPBF16PS streaming vs ATen's linear, the embedded default's projections and lm_head): the
-// streaming kernel wins by 1.6-2.8x at 8 rows and still by 1.3-1.5x at 32, where the product is
-// close to compute-bound either way; on the Xeon CI machine the tile kernel stays at memory
-// bandwidth through 32 rows. Elsewhere (fp32, fp16, the portable path) the scalar kernel only
-// pays for a few rows.
+// The most rows of x for which streaming the packed weight beats ATen's GEMM (oneDNN) on it.
+// bf16 with VDPBF16PS and no AMX: 256. Measured on Zen 4 (2 threads, quiet; the embedded
+// default's q/kv_a/o projections and lm_head): streaming beats the chunked oneDNN path by
+// 1.5-2.2x at 48-64 rows, 1.2-1.4x at 128 and 1.07-1.2x at 256, and F.linear on a row-major
+// weight by 1.0-1.3x through 192 rows (oneDNN's bf16 GEMM here is ~0.35-0.4 TFLOP/s, which
+// VDPBF16PS streaming nearly matches). bf16 on the AMX tile unit: 32; there oneDNN's own AMX
+// GEMM runs several times faster than streaming beyond the decode-sized range (a Xeon: ~0.7-2
+// TFLOP/s), while the tile kernel stays at memory bandwidth through 32 rows. Elsewhere (fp32,
+// fp16, the portable path) the scalar kernel only pays for a few rows.
 int64_t stream_max_rows(const at::Tensor& x) {
-  if (x.scalar_type() == at::kBFloat16 && use_avx512_bf16()) {
+  if (x.scalar_type() == at::kBFloat16 && use_amx_bf16()) {
     return 32;
+  }
+  if (x.scalar_type() == at::kBFloat16 && use_avx512_bf16()) {
+    return 256;
   }
   return 8;
 }
