@@ -43,6 +43,7 @@ from bench.e2e.plan import DEFAULT, QUICK, Plan  # noqa: E402
 from bench.e2e.serving import prefix_hit_ttft, run_mixed_workload  # noqa: E402
 from mlafx.config import ModelConfig  # noqa: E402
 from mlafx.models.deepseek import MLAForCausalLM  # noqa: E402
+from mlafx.models.loader import build_model  # noqa: E402
 from mlafx.runtime import LLM  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -161,16 +162,18 @@ class Run:
 
 def run_mlafx(run: Run) -> tuple[MLAForCausalLM, torch.nn.Module]:
     """mlafx compiled, then its reference path on transformers' copy of the same weights.
-    Returns mlafx's model (the weights; the engines and their KV caches are dropped) and
-    transformers' model."""
+    Returns mlafx's model (the weights' shapes; the engines and their KV caches are dropped)
+    and transformers' model."""
     plan = run.plan
     progress(f"building mlafx's engine on the {plan.model} model (dummy weights, bf16)")
     start = time.perf_counter()
     llm = mlafx_llm(plan.model, num_kv_blocks=kv_blocks_for(plan, "mlafx"), block_size=BLOCK_SIZE)
     run.startup_s["mlafx"] = time.perf_counter() - start
     run.kv_bytes_per_token["mlafx"] = costs.kv_bytes_per_token(llm.config, llm.dtype)
-    progress("copying its weights into transformers' model")
-    hf_model = transformers_twin(llm.model, plan.model)
+    # the compiled engine keeps only the layouts its step reads (a packed copy replaces each
+    # linear weight): transformers' model gets the same seeded weights built anew
+    progress("copying the same weights into transformers' model")
+    hf_model = transformers_twin(build_model(llm.config, "bfloat16", "dummy"), plan.model)
     blocks = kv_blocks_for(plan, "mlafx_reference")
     reference = LLM.from_transformers(hf_model, num_kv_blocks=blocks, compile=False)
     for backend, engine in (("mlafx", llm), ("mlafx_reference", reference)):
