@@ -321,7 +321,9 @@ class CompiledStep:
     ``constants``: the model's weights and buffers by their FQNs (``model_constants``).
     ``release(name)``, if given, is called for every weight no loaded package and no end of
     the step reads (a source a derived constant replaced), once its layer is loaded: the
-    caller drops its own reference, so that only one copy of each weight stays.
+    caller drops its own reference and the name leaves ``constants``, so that a source's
+    memory goes before the next layer derives its layouts and only one copy of each weight
+    stays.
     """
 
     def __init__(
@@ -345,7 +347,10 @@ class CompiledStep:
                 kept = set(runner.get_constant_fqns())
                 prefix = f"model.layers.{layer}."
                 for name in sorted(own.keys() - kept):
-                    release(prefix + name[len(LAYER_PREFIX) :])
+                    released = prefix + name[len(LAYER_PREFIX) :]
+                    release(released)
+                    constants.pop(released)  # the last reference: its memory goes now
+            del own
         for package in packages:
             if package.unlowered:
                 package.package.unlink(missing_ok=True)
@@ -360,6 +365,8 @@ class CompiledStep:
         ]
         if release is not None and lm_head is not self.embedding:
             release(LM_HEAD)
+            constants.pop(LM_HEAD)
+        del lm_head
         inv_freq = constants.get(ROPE)
         self.rope_inv_freq = rope_inv_freq(config) if inv_freq is None else inv_freq
         self.rope_scale = rope_scale(config)
