@@ -94,14 +94,20 @@ def _moe_rows(roofline, quick, threads, num_tokens, gen) -> list[Row]:
     return rows
 
 
+def _linear_weights(in_f, out_f, copies, gen) -> tuple[list, list]:
+    """``copies`` bf16 weights [out_f, in_f] (rotated so each timed call reads cold ones) and
+    their packed layouts, as ``_rotating`` argument tuples."""
+    weights = [
+        (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(torch.bfloat16)
+        for _ in range(copies)
+    ]
+    return weights, [(K.pack_linear_weight(w),) for w in weights]
+
+
 def _linear_rows(roofline, quick, threads, name, in_f, out_f, batches, gen) -> list[Row]:
     dtype = torch.bfloat16
     nbytes = in_f * out_f * dtype.itemsize
-    copies = _copies(nbytes, quick)
-    weights = [
-        (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype) for _ in range(copies)
-    ]
-    packed = [(K.pack_linear_weight(w),) for w in weights]
+    weights, packed = _linear_weights(in_f, out_f, _copies(nbytes, quick), gen)
     rows = []
     for m in batches:
         x = torch.randn(m, in_f, generator=gen).to(dtype)
@@ -145,11 +151,7 @@ LONG_ROWS = [  # name, in_features, out_features, rows of x
 def _long_linear_rows(roofline, quick, threads, name, in_f, out_f, batches, gen) -> list[Row]:
     dtype = torch.bfloat16
     nbytes = in_f * out_f * dtype.itemsize
-    copies = _copies(nbytes, quick)
-    weights = [
-        (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype) for _ in range(copies)
-    ]
-    packed = [(K.pack_linear_weight(w),) for w in weights]
+    weights, packed = _linear_weights(in_f, out_f, _copies(nbytes, quick), gen)
     rows = []
     for m in batches:
         x = torch.randn(m, in_f, generator=gen).to(dtype)
