@@ -73,6 +73,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="JSON object applied over config.json, e.g. '{\"num_hidden_layers\": 2}'",
     )
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        default=None,
+        help="quantize every linear and routed expert as it loads: int8 (8.5 bits per weight) "
+        "or int4 (4.5); groups of 32 with fp16 scales, llama.cpp's Q8_0/Q4_0 blocks",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
@@ -160,6 +167,7 @@ def build_llm(args: argparse.Namespace, **serving: Any) -> LLM:
         load_format=load_format or "auto",
         hf_overrides=overrides,
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
@@ -192,7 +200,8 @@ def add_artifact_flags(parser: argparse.ArgumentParser) -> None:
 def llm_from_artifact(args: argparse.Namespace, **serving: Any) -> LLM:
     """The engine for ``--artifact``; model-choosing flags are refused (the artifact fixes
     the model), and args' dtype and block size are set to the artifact's."""
-    given = [f for f in ("model", "load_format", "hf_overrides") if getattr(args, f) is not None]
+    fixed = ("model", "load_format", "hf_overrides", "quantization")
+    given = [f for f in fixed if getattr(args, f, None) is not None]
     if given:
         flags = ", ".join("--" + f.replace("_", "-") for f in given)
         raise ValueError(f"{flags} cannot be combined with --artifact (it fixes the model)")
@@ -225,6 +234,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         load_format=load_format or "auto",
         hf_overrides=overrides,
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         seed=args.seed,
         progress=sys.stderr.isatty(),

@@ -127,7 +127,7 @@ def package_path(
     model: MLAForCausalLM, kind: LayerKind, block_size: int, cache_dir: Path | None = None
 ) -> Path:
     """Where the package of ``model``'s layer kind ``kind`` lives in the on-disk cache."""
-    key = package_key(model.config, kind, model.lm_head.weight.dtype, block_size)
+    key = package_key(model.config, kind, model.dtype, block_size)
     return (cache_dir or default_cache_dir()) / f"layer-{key}.pt2"
 
 
@@ -301,6 +301,7 @@ EMBEDDING, FINAL_NORM, LM_HEAD, ROPE = (
     "lm_head.weight",
     "rope_inv_freq",
 )
+LM_HEAD_QUANTIZED = "lm_head.qweight"
 
 
 def layer_constants(constants: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
@@ -358,15 +359,19 @@ class CompiledStep:
         self.reads_key_rows = any(p.unlowered for p in packages)
         self.embedding = constants[EMBEDDING]
         self.final_norm = constants[FINAL_NORM]
-        lm_head = constants[LM_HEAD]  # [V, D]; the embedding itself when tied
-        self.vocab_size = lm_head.shape[0]
-        self.lm_head_packed = with_derived_constants(constants, [packed_name(LM_HEAD)])[
-            packed_name(LM_HEAD)
-        ]
-        if release is not None and lm_head is not self.embedding:
-            release(LM_HEAD)
-            constants.pop(LM_HEAD)
-        del lm_head
+        self.vocab_size = config.vocab_size
+        # lm_head quantized (models/quantized.py): its packed weight as it is; else the packed
+        # layout derived from the weight (which is the embedding itself when tied)
+        self.lm_head_qweight = constants.get(LM_HEAD_QUANTIZED)
+        if self.lm_head_qweight is None:
+            lm_head = constants[LM_HEAD]  # [V, D]
+            self.lm_head_packed = with_derived_constants(constants, [packed_name(LM_HEAD)])[
+                packed_name(LM_HEAD)
+            ]
+            if release is not None and lm_head is not self.embedding:
+                release(LM_HEAD)
+                constants.pop(LM_HEAD)
+            del lm_head
         inv_freq = constants.get(ROPE)
         self.rope_inv_freq = rope_inv_freq(config) if inv_freq is None else inv_freq
         self.rope_scale = rope_scale(config)
@@ -390,6 +395,8 @@ class CompiledStep:
         for runner, cache in zip(self.layers, caches, strict=True):
             (x,) = runner.run_flat([x, positions, cos, sin, cache, *meta_leaves])
         h = rms_norm(x.index_select(0, logits_indices), self.final_norm, self.config.rms_norm_eps)
+        if self.lm_head_qweight is not None:
+            return torch.ops.mlafx.linear_quantized(h, self.lm_head_qweight, self.vocab_size, None)
         return torch.ops.mlafx.linear_packed(h, self.lm_head_packed, self.vocab_size, None)
 
 

@@ -53,6 +53,7 @@ from mlafx.export.manifest import (
 from mlafx.export.weights import WEIGHTS_FILE, load_weights, save_weights
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.loader import DTYPES, LoadFormat, build_model
+from mlafx.models.quantized import Quantization, check_quantization, is_quantized
 from mlafx.models.step import StepFn
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ def export(
     load_format: LoadFormat = "auto",
     hf_overrides: dict[str, Any] | None = None,
     dtype: str = "bfloat16",
+    quantization: Quantization | None = None,
     block_size: int = 16,
     seed: int = 0,
     progress: bool = True,
@@ -88,14 +90,19 @@ def export(
     from mlafx.config.presets import PRESETS
 
     _check_format(format)
+    check_quantization(quantization)
     if format == "onnx":
         _check_onnx_dtype(dtype)  # before the (slow) model build
+        _check_onnx_quantization(quantization is not None)
     cfg = ModelConfig.from_model(model, hf_overrides)
     if load_format == "auto" and isinstance(model, str) and model in PRESETS:
         raise ValueError(f"preset {model!r} has no weights here; use load_format='dummy'")
     model_dir = None if isinstance(model, str) and model in PRESETS else Path(model)
     with _phase(f"building {cfg.model_type} ({cfg.num_hidden_layers} layers, {dtype})"):
-        built = build_model(cfg, dtype, load_format, model_dir, seed=seed, progress=progress)
+        built = build_model(
+            cfg, dtype, load_format, model_dir, seed=seed, progress=progress,
+            quantization=quantization,
+        )  # fmt: skip
     tokenizer = model_dir / TOKENIZER_FILE if model_dir is not None else None
     return export_model(
         built,
@@ -125,9 +132,10 @@ def export_model(
         raise ValueError(f"block_size must be in 1..256, got {block_size}")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ValueError(f"{output} exists and is not an empty directory; choose a new one")
-    dtype = _dtype_name(model.lm_head.weight.dtype)
+    dtype = _dtype_name(model.dtype)
     if format == "onnx":
         _check_onnx_dtype(dtype)
+        _check_onnx_quantization(is_quantized(model))
     staging = output.with_name(f".{output.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -274,6 +282,15 @@ def _check_onnx_dtype(dtype: str) -> None:
         raise ValueError(
             f"ONNX export needs --dtype float32 (got {dtype}): onnxruntime's CPU provider "
             "lacks bfloat16/float16 kernels for the step's ops"
+        )
+
+
+def _check_onnx_quantization(quantized: bool) -> None:
+    if quantized:
+        raise ValueError(
+            "ONNX export of a quantized model is not supported: mlafx's int8/int4 linears "
+            "quantize activations per group of 32 (W8A8), which stock onnxruntime ops do not "
+            "express exactly; export it as aoti or pt2, or export the unquantized model"
         )
 
 

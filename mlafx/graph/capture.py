@@ -20,7 +20,8 @@ under ``backed_size_oblivious`` so that sizes 0 and 1 are not specialised away (
 step has T = 1).
 
 Routed experts dispatch on data (which expert each token picked), which does not trace; the
-capture records each ``RoutedExperts`` call as one ``mlafx::moe_experts`` node instead.
+capture records each ``RoutedExperts`` call as one ``mlafx::moe_experts`` node instead (and
+the quantized modules as their kernels: ``models/quantized.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch.export import Dim, ExportedProgram
 from mlafx.models.attention_path import AttentionPath
 from mlafx.models.deepseek import DecoderLayer, MLAForCausalLM
 from mlafx.models.moe import RoutedExperts
+from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 from mlafx.models.rope import rope_cos_sin
 from mlafx.models.step import (
     SequenceSpan,
@@ -191,7 +193,7 @@ class LayerSample:
 
 def sample_layer(model: MLAForCausalLM, block_size: int, seed: int = 0) -> LayerSample:
     cfg = model.config
-    dtype = model.lm_head.weight.dtype
+    dtype = model.dtype
     step = sample_step_inputs(block_size, cfg.vocab_size)
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(len(step.positions), cfg.hidden_size, generator=generator).to(dtype)
@@ -209,39 +211,59 @@ def capture_layer(model: MLAForCausalLM, layer: int, block_size: int) -> Exporte
 
 
 def _export(module: nn.Module, args: tuple, dynamic_shapes: object) -> ExportedProgram:
-    """Non-strict export under ``backed_size_oblivious``, routed experts as custom ops."""
-    has_experts = any(isinstance(m, RoutedExperts) for m in module.modules())
+    """Non-strict export under ``backed_size_oblivious``, routed experts and quantized linears
+    as custom ops."""
     with (
-        experts_as_custom_op() if has_experts else contextlib.nullcontext(),
+        kernels_as_custom_ops(),
         torch.fx.experimental._config.patch(backed_size_oblivious=True),
         torch.no_grad(),
     ):
         return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
 
 
+def _experts_forward(self, x, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+    return torch.ops.mlafx.moe_experts(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj)
+
+
+def _quantized_experts_forward(self, x, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+    return torch.ops.mlafx.moe_experts_quantized(
+        x, topk_ids, topk_weights, self.gate_up_qweight, self.down_qweight, self.intermediate_size
+    )
+
+
+def _quantized_linear_forward(self, x):  # type: ignore[no-untyped-def]
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mlafx.linear_quantized(rows, self.qweight, self.out_features, None)
+    return out.reshape(*x.shape[:-1], self.out_features)
+
+
 @contextlib.contextmanager
-def experts_as_custom_op() -> Iterator[None]:
-    """Within this block every ``RoutedExperts`` runs ``torch.ops.mlafx.moe_experts``."""
-    import mlafx.kernels  # noqa: F401  (registers the op and its fake)
+def kernels_as_custom_ops() -> Iterator[None]:
+    """Within this block every ``RoutedExperts`` runs ``mlafx::moe_experts`` (its data-dependent
+    dispatch does not trace), and the quantized modules run their kernels
+    (``mlafx::linear_quantized``, ``mlafx::moe_experts_quantized``: the same semantics as their
+    eager reference, which dequantizes whole weights)."""
+    import mlafx.kernels  # noqa: F401  (registers the ops and their fakes)
 
-    original = RoutedExperts.forward
-
-    def forward(self, x, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
-        return torch.ops.mlafx.moe_experts(
-            x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj
-        )
-
-    RoutedExperts.forward = forward
+    patched = (
+        (RoutedExperts, _experts_forward),
+        (QuantizedExperts, _quantized_experts_forward),
+        (QuantizedLinear, _quantized_linear_forward),
+    )
+    originals = [(cls, cls.forward) for cls, _ in patched]
+    for cls, forward in patched:
+        cls.forward = forward
     try:
         yield
     finally:
-        RoutedExperts.forward = original
+        for cls, forward in originals:
+            cls.forward = forward
 
 
 def sample_step(model: MLAForCausalLM, block_size: int) -> tuple[StepInputs, list[torch.Tensor]]:
     """The sample step's inputs and zeroed caches just large enough for it (model dtype)."""
     cfg = model.config
-    dtype = model.lm_head.weight.dtype
+    dtype = model.dtype
     caches = [
         torch.zeros(num_sample_blocks(block_size), block_size, cfg.latent_width, dtype=dtype)
         for _ in range(cfg.num_hidden_layers)

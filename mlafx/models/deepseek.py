@@ -84,6 +84,11 @@ class MLAForCausalLM(nn.Module):
         self.register_buffer("rope_inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope_scale = rope_scale(cfg)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model dtype: the embedding's (never quantized; the router stays fp32)."""
+        return self.model.embed_tokens.weight.dtype
+
     def reset_rope(self) -> None:
         """Recompute the (non-persistent) RoPE frequencies, e.g. after ``to_empty``."""
         self.rope_inv_freq = rope_inv_freq(self.config)

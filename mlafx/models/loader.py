@@ -11,6 +11,7 @@ import torch
 from mlafx.config import ModelConfig
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.moe import Router
+from mlafx.models.quantized import Quantization, Quantizer
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ def build_model(
     *,
     seed: int = 0,
     progress: bool = True,
+    quantization: Quantization | None = None,
 ) -> MLAForCausalLM:
     """An eval-mode model in ``dtype`` (router weights stay float32) with its weights filled.
 
@@ -42,7 +44,9 @@ def build_model(
     ``load_format="auto"`` hands the meta tensors to ``load_safetensors_weights``: a checkpoint
     tensor already in the target's dtype and shape becomes the target, mapped from the file
     (never allocated); the others are allocated and copied in (fused experts, casts).
-    ``"dummy"`` materialises every tensor uninitialised, then fills seeded random values.
+    ``"dummy"`` allocates and fills one tensor at a time with seeded random values.
+    ``quantization`` ("int8" | "int4", ``models/quantized.py``) quantizes each linear and
+    expert stack as soon as it is loaded or drawn, so the full-precision model never exists.
     """
     from mlafx.models.weights import init_dummy_weights, load_safetensors_weights
 
@@ -56,15 +60,20 @@ def build_model(
     for module in model.modules():
         if isinstance(module, Router):
             module.float()
+    quantizer = None if quantization is None else Quantizer(model, quantization)
+    on_filled = None if quantizer is None else quantizer.finish
     if load_format == "dummy":
-        model.to_empty(device="cpu")
-        if cfg.tie_word_embeddings:  # materialising gives each module its own tensor: re-tie
-            model.lm_head.weight = model.model.embed_tokens.weight
-        init_dummy_weights(model, seed=seed)
+        init_dummy_weights(model, seed=seed, on_filled=on_filled)
     else:
         load_safetensors_weights(
-            model, Path(model_dir), num_hidden_layers=cfg.num_hidden_layers, progress=progress
+            model,
+            Path(model_dir),
+            num_hidden_layers=cfg.num_hidden_layers,
+            progress=progress,
+            on_filled=on_filled,
         )
+    if quantizer is not None:
+        quantizer.check_done()
     model.reset_rope()  # a non-persistent buffer: not in the state_dict, not in checkpoints
     unfilled = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if unfilled:

@@ -47,6 +47,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -324,8 +325,25 @@ def _install(
     return value
 
 
+# Called with (names, tensor) once a tensor (all names tied to it) holds all its values.
+OnFilled = Callable[[list[str], torch.Tensor], None]
+
+
+def _remaining_placements(placements: list[_Placement]) -> dict[str, int]:
+    """Target -> how many placements fill it (a fused expert stack takes one per slice)."""
+    counts: dict[str, int] = {}
+    for p in placements:
+        counts[p.target] = counts.get(p.target, 0) + 1
+    return counts
+
+
 def load_safetensors_weights(
-    model: nn.Module, model_dir: str | Path, *, num_hidden_layers: int, progress: bool = True
+    model: nn.Module,
+    model_dir: str | Path,
+    *,
+    num_hidden_layers: int,
+    progress: bool = True,
+    on_filled: OnFilled | None = None,
 ) -> None:
     """Fill ``model``'s parameters and buffers from a safetensors checkpoint.
 
@@ -335,6 +353,9 @@ def load_safetensors_weights(
     allocated, a copied one is allocated just before its first copy. Every header is checked
     before any tensor is read, so a mismatch raises ``WeightLoadError`` (listing missing,
     unexpected, wrongly shaped and duplicate tensors) with the model untouched.
+
+    ``on_filled(names, tensor)`` runs as soon as a target holds all its values (the quantizer
+    replaces it then, so its source is dropped before the next one is read).
     """
     model_dir = Path(model_dir)
     placements = _plan(model, _checkpoint_files(model_dir), num_hidden_layers)
@@ -342,6 +363,7 @@ def load_safetensors_weights(
     names_of: dict[str, list[str]] = {}
     for name, canonical in _aliases(live).items():
         names_of.setdefault(canonical, []).append(name)
+    remaining = _remaining_placements(placements)
     mapped = copied = mapped_bytes = copied_bytes = 0
     bar = tqdm(
         total=len(placements),
@@ -379,6 +401,9 @@ def load_safetensors_weights(
                         target.data[p.dst_index].copy_(_read(fd, p))
                         copied += 1
                         copied_bytes += math.prod(p.shape) * target.element_size()
+                    remaining[p.target] -= 1
+                    if on_filled is not None and remaining[p.target] == 0:
+                        on_filled(names_of[p.target], live.pop(p.target))
                     bar.update()
             finally:
                 os.close(fd)
@@ -413,19 +438,29 @@ def _fill_normal(dst: torch.Tensor, generator: torch.Generator) -> None:
         out.copy_(buf)
 
 
-def init_dummy_weights(model: nn.Module, *, seed: int = 0) -> None:
-    """Fill every parameter and persistent buffer in place, deterministically for a given seed.
+def init_dummy_weights(
+    model: nn.Module, *, seed: int = 0, on_filled: OnFilled | None = None
+) -> None:
+    """Fill every parameter and persistent buffer, deterministically for a given seed, one
+    tensor at a time: a tensor still on the meta device is allocated just before it is filled
+    (and handed to ``on_filled(names, tensor)`` right after, as the checkpoint loader does).
 
     Norm weights (names ending in ``norm.weight``) are 1, biases (including the router's
     ``e_score_correction_bias``) are 0, everything else is normal(0, 0.02). Each tensor gets its
     own generator seeded from ``seed`` and its name; tied tensors are filled once.
     """
-    filled: set[int] = set()
+    live: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+    names_of: dict[str, list[str]] = {}
+    for name, canonical in _aliases(live).items():
+        names_of.setdefault(canonical, []).append(name)
     with torch.no_grad():
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if id(tensor) in filled or not tensor.is_floating_point():
+        for name, names in names_of.items():
+            tensor = live[name]
+            if not tensor.is_floating_point():
                 continue
-            filled.add(id(tensor))
+            if tensor.is_meta:
+                empty = torch.empty(tensor.shape, dtype=tensor.dtype)
+                tensor = _install(model, names, tensor, empty)
             if name.endswith("norm.weight"):
                 tensor.data.fill_(1.0)
             elif name.endswith("bias"):
@@ -433,3 +468,5 @@ def init_dummy_weights(model: nn.Module, *, seed: int = 0) -> None:
             else:
                 generator = torch.Generator().manual_seed(_tensor_seed(name, seed))
                 _fill_normal(tensor.data, generator)
+            if on_filled is not None:
+                on_filled(names, tensor)

@@ -20,6 +20,7 @@ import torch
 from mlafx.config import ModelConfig, check_fits_in_memory
 from mlafx.config.presets import PRESETS
 from mlafx.models.loader import DTYPES, LoadFormat, build_model, torch_dtype
+from mlafx.models.quantized import Quantization, check_quantization
 from mlafx.models.step import StepFn
 from mlafx.parallel import WorkerGroup, check_shardable, start_workers
 from mlafx.runtime.block_hash import cache_fingerprint
@@ -53,7 +54,9 @@ class LLM:
     the weights the compiled step reads); ``compile=False`` runs the plain reference model
     eagerly. A lowering that fails verification is an error; ``allow_unlowered=True`` serves
     the captured, unlowered layers instead (loudly; far slower). The serving options are
-    ``ServingOptions``'s. ``kv_connector`` is a store spec (``"disk:PATH"``,
+    ``ServingOptions``'s. ``quantization="int8" | "int4"`` quantizes every linear and routed
+    expert stack as it loads (``models/quantized.py``; formats in
+    ``mlafx.kernels.quant_format``). ``kv_connector`` is a store spec (``"disk:PATH"``,
     ``"redis://HOST:PORT"``) or a ``KVConnector`` built for this engine's
     ``cache_fingerprint`` and block size.
 
@@ -78,6 +81,7 @@ class LLM:
         load_format: LoadFormat = "auto",
         hf_overrides: dict[str, Any] | None = None,
         dtype: str = "bfloat16",
+        quantization: Quantization | None = None,
         block_size: int = 16,
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
@@ -97,6 +101,12 @@ class LLM:
     ) -> None:
         cfg = ModelConfig.from_model(model, hf_overrides)
         torch_dtype(dtype)  # validates the name
+        check_quantization(quantization)
+        if quantization is not None and tensor_parallel_size != 1:
+            raise ValueError(
+                "quantization is not supported with tensor_parallel_size > 1 yet (the shards "
+                "split full-precision weights)"
+            )
         if tensor_parallel_local_ranks is not None and tensor_parallel_size == 1:
             raise ValueError("tensor_parallel_local_ranks needs tensor_parallel_size > 1")
         if tensor_parallel_size != 1:
@@ -124,7 +134,7 @@ class LLM:
                 "or a local checkpoint directory"
             )
         # before any allocation: the weights plus the cache must fit
-        check_fits_in_memory(cfg, dtype, options.num_blocks(cfg, dtype) * block_size)
+        check_fits_in_memory(cfg, dtype, options.num_blocks(cfg, dtype) * block_size, quantization)
         # a bad store spec fails here, before the (slow) model build and compile
         connector = connect_kv_store(kv_connector, cfg, dtype, block_size)
         try:
@@ -153,6 +163,7 @@ class LLM:
                 None if model in PRESETS else model,
                 seed=seed,
                 progress=progress,
+                quantization=quantization,
             )
             # The step the engine runs: the plain reference model, or the same model
             # captured, rewritten onto the latent-cache kernels and compiled ahead of time.
