@@ -451,6 +451,7 @@ BENCHMARKS = {
     "real-size": "real_size.py",
     "host-step-inputs": "host_step_inputs.py",
     "load-weights": "load_weights.py",
+    "quant": "quant.py",
 }
 
 

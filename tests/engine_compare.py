@@ -35,14 +35,16 @@ def greedy_params(max_tokens: int, logprobs: int = 1) -> mlafx.SamplingParams:
 
 
 def reference_alone(
-    prompts: list[list[int]], max_tokens: int, block_size: int = 16
+    prompts: list[list[int]], max_tokens: int, block_size: int = 16, **llm_options: object
 ) -> list[Reference]:
-    """Each prompt served alone (whole prompt in one step, no prefix cache), fp32."""
+    """Each prompt served alone (whole prompt in one step, no prefix cache), fp32, by the
+    reference model (``llm_options``: more ``tiny_llm`` options, e.g. a quantization)."""
     llm = tiny_llm(
         block_size=block_size,
         num_kv_blocks=(max(map(len, prompts)) + max_tokens) // block_size + 2,
         enable_prefix_caching=False,
         enable_chunked_prefill=False,
+        **llm_options,
     )
     vocab = llm.config.vocab_size
     refs = []

@@ -1,0 +1,145 @@
+"""Quantized models (``models/quantized.py``): what is quantized, quantize-on-load from
+checkpoints and dummy weights, the memory estimate, and the compiled step against the
+reference path over the same quantized weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from mlafx.config import PRESETS, ModelConfig, weight_bytes
+from mlafx.config.memory import check_fits_in_memory
+from mlafx.config.model_config import ConfigError
+from mlafx.kernels.quant_format import dequantize_weight, packed_shape, quantize_weight_ref
+from mlafx.models.loader import build_model
+from mlafx.models.quantized import QuantizedExperts, QuantizedLinear, Quantizer
+from tests.engine_compare import assert_same_greedy, greedy_params, random_prompts, reference_alone
+from tests.tiny_models import TINY_OVERRIDES, tiny_llm
+
+BITS = {"int8": 8, "int4": 4}
+
+
+def _tiny_config() -> ModelConfig:
+    return ModelConfig.from_model("deepseek-v2-lite", TINY_OVERRIDES)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_every_linear_but_kv_b_and_every_expert_stack_is_quantized(quantization):
+    cfg = _tiny_config()
+    model = build_model(cfg, "bfloat16", "dummy", quantization=quantization, progress=False)
+    full = build_model(cfg, "bfloat16", "dummy", progress=False)
+    bits = BITS[quantization]
+    plain = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    assert plain and all(n.endswith("kv_b_proj") for n in plain)
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            source = full.get_submodule(name).weight
+            assert module.qweight.dtype == torch.uint8
+            assert module.qweight.shape == packed_shape(*source.shape, bits)
+            # streamed dummy weights are the same draws, quantized by the same rule
+            assert torch.equal(module.qweight, quantize_weight_ref(source, bits))
+        elif isinstance(module, QuantizedExperts):
+            source = full.get_submodule(name)
+            for expert in range(cfg.n_routed_experts):
+                want = quantize_weight_ref(source.down_proj[expert], bits)
+                assert torch.equal(module.down_qweight[expert], want)
+    assert model.dtype == torch.bfloat16
+    assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router stays
+
+
+def _write_fused_checkpoint(path: Path, **overrides: object) -> ModelConfig:
+    """The tiny preset's dummy weights (seed 3), fused, with its config.json."""
+    hf = {**PRESETS["deepseek-v2-lite"], **TINY_OVERRIDES, **overrides}
+    cfg = ModelConfig.from_hf_dict(hf)
+    model = build_model(cfg, "bfloat16", "dummy", seed=3, progress=False)
+    path.mkdir()
+    tensors, stored = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in stored:  # a tied lm_head is stored once
+            stored.add(tensor.data_ptr())
+            tensors[name] = tensor
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(hf))
+    return cfg
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_quantize_on_load_from_a_checkpoint_equals_quantizing_the_loaded_model(tmp_path, tie):
+    cfg = _write_fused_checkpoint(tmp_path / "ckpt", tie_word_embeddings=tie)
+    loaded = build_model(cfg, "bfloat16", "auto", tmp_path / "ckpt", quantization="int4",
+                         progress=False)  # fmt: skip
+    assert isinstance(loaded.lm_head, QuantizedLinear)  # tied or not; the embedding stays
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    quantized = build_model(cfg, "bfloat16", "dummy", seed=3, progress=False)
+    quantizer = Quantizer(quantized, "int4")
+    for name, tensor in list(quantized.state_dict(keep_vars=True).items()):
+        quantizer.finish([name], tensor)  # (a tied lm_head comes by its own name too)
+    quantizer.check_done()
+    got, want = loaded.state_dict(), quantized.state_dict()
+    assert got.keys() == want.keys()
+    for name in got:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_quantized_reference_is_close_to_the_full_precision_model():
+    """Sanity of the whole eager path: int8 logits track bf16 closely, int4 less so."""
+    prompts = random_prompts(2, 8, 12, seed=5)
+    logits = {}
+    for quantization in (None, "int8", "int4"):
+        llm = tiny_llm(quantization=quantization)
+        (out,) = llm.generate(prompts[:1], greedy_params(1, logprobs=256))
+        top = out.outputs[0].logprobs[0]
+        logits[quantization] = torch.tensor([top[i] for i in range(256)])
+    p = logits[None].exp()
+    kl = {q: float((p * (logits[None] - logits[q])).sum()) for q in ("int8", "int4")}
+    assert 0 <= kl["int8"] < kl["int4"] < 0.05, kl
+
+
+def test_memory_estimate_counts_the_quantized_bytes():
+    cfg = ModelConfig.from_model("deepseek-v2-lite")
+    bf16 = weight_bytes(cfg, "bfloat16")
+    int8, int4 = weight_bytes(cfg, "bfloat16", "int8"), weight_bytes(cfg, "bfloat16", "int4")
+    assert 29 * 2**30 < bf16 < 30 * 2**30
+    assert 0.5 < int8 / bf16 < 0.56 and 0.27 < int4 / bf16 < 0.33
+    with pytest.raises(ConfigError, match="int4-quantized weights"):
+        check_fits_in_memory(ModelConfig.from_model("deepseek-v3"), "bfloat16", 16, "int4")
+
+
+def test_dequantized_weights_are_what_the_reference_multiplies():
+    w = torch.randn(20, 70) * 0.05
+    for bits in (8, 4):
+        deq = dequantize_weight(quantize_weight_ref(w, bits), 20, 70)
+        step = w.abs().amax() / (127 if bits == 8 else 7)
+        assert deq.shape == w.shape and float((deq - w).abs().max()) <= float(step)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_compiled_quantized_engine_matches_its_reference_path(quantization):
+    """Same quantized bytes, the compiled kernels against the plain-PyTorch reference."""
+    prompts = random_prompts(4, 3, 20, seed=11)
+    refs = reference_alone(prompts, 8, block_size=4, quantization=quantization)
+    llm = tiny_llm(compile=True, quantization=quantization, block_size=4)
+    ops = {kind: lowering.stages[-1].ops for kind, lowering in llm.compiled.lowerings.items()}
+    assert ops["MoE"]["mlafx.moe_experts_quantized.default"] == 1
+    for histogram in ops.values():  # q, kv_a, o, the MLP's three; kv_b_proj stays packed bf16
+        assert histogram["mlafx.linear_quantized.default"] >= 5
+        assert histogram["aten.linear.default"] == 0
+    outputs = llm.generate(prompts, greedy_params(8))
+    assert_same_greedy(refs, outputs, f"compiled {quantization}")
+
+
+def test_refusals_are_clear():
+    with pytest.raises(ValueError, match="quantization 'int3' is not supported"):
+        tiny_llm(quantization="int3")
+    with pytest.raises(ValueError, match="not supported with tensor_parallel_size"):
+        tiny_llm(quantization="int8", tensor_parallel_size=2)
+    import mlafx
+
+    with pytest.raises(ValueError, match="ONNX export of a quantized model"):
+        mlafx.export("deepseek-v2-lite", "/nonexistent", "onnx", load_format="dummy",
+                     dtype="float32", quantization="int8")  # fmt: skip
