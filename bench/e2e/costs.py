@@ -60,12 +60,16 @@ def expected_experts_hit(cfg: ModelConfig, tokens: int) -> float:
 
 
 def decode_weight_bytes(model: torch.nn.Module, cfg: ModelConfig, batch: int) -> float:
-    """Bytes of weights one decode step of ``batch`` sequences reads: every parameter once,
+    """Bytes of weights one decode step of ``batch`` sequences reads: every weight once,
     except the embedding (``batch`` rows) and the fused routed experts (a leading ``E``
     dimension; only the expected distinct experts hit are read)."""
     hit = expected_experts_hit(cfg, batch) / cfg.n_routed_experts if cfg.n_routed_experts else 0
     total = 0.0
-    for name, param in model.named_parameters():
+    # quantized weights are uint8 buffers (models/quantized.py); the RoPE table is not read
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, param in tensors:
+        if name == "rope_inv_freq":
+            continue
         nbytes = param.numel() * param.element_size()
         if name.endswith("embed_tokens.weight"):
             nbytes = batch * param.shape[1] * param.element_size()

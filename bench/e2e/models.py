@@ -24,6 +24,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "embedded": EMBEDDED_DEFAULT_OVERRIDES,
     # every width of DeepSeek-V2-Lite (64 experts, top-6, 2 shared), one MoE layer
     "full-width-1layer": {"num_hidden_layers": 1, "first_k_dense_replace": 0},
+    # all of DeepSeek-V2-Lite (27 layers, 64 experts): with --quantization only (29 GiB in bf16)
+    "full": {},
     # the tests' tiny model (for --quick): a few MB
     "tiny": {
         "vocab_size": 256,
@@ -47,7 +49,14 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def mlafx_llm(name: str, *, num_kv_blocks: int, block_size: int, dtype: str = "bfloat16") -> LLM:
+def mlafx_llm(
+    name: str,
+    *,
+    num_kv_blocks: int,
+    block_size: int,
+    dtype: str = "bfloat16",
+    quantization: str | None = None,
+) -> LLM:
     """mlafx's compiled engine on ``MODELS[name]`` with seeded dummy weights."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
@@ -56,6 +65,7 @@ def mlafx_llm(name: str, *, num_kv_blocks: int, block_size: int, dtype: str = "b
         load_format="dummy",
         hf_overrides=MODELS[name],
         dtype=dtype,
+        quantization=quantization,
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
         progress=False,

@@ -87,3 +87,17 @@ QUICK = Plan(
     prefix_prompt_len=300,
     prefix_repeats=2,
 )
+
+
+# --quantization: mlafx's compiled engine alone (its reference and transformers' run the bf16
+# model, which the full preset cannot fit), on all of DeepSeek-V2-Lite.
+QUANTIZED = Plan(
+    model="full",
+    target=(8, 1024),
+    grids={"mlafx": Grid(prefill=((1, 1024),), decode=((1, 1024), (8, 1024)))},
+    repeats=5,
+    baseline_repeats=0,
+    workload=MixedWorkload(num_requests=4, prompt_lens=(64, 256), max_tokens=8),
+    prefix_prompt_len=300,
+    prefix_repeats=2,
+)

@@ -58,8 +58,11 @@ def print_phase(rows: list[Row], phase: str) -> None:
         print(f"{where} {row['median_ms']:>10.1f} {row['tokens_per_s']:>10.1f} {roof} {vs}")
 
 
-def targets(rows: list[Row], serving: dict[str, Any], target: tuple[int, int]) -> list[Row]:
-    """The issue's targets at ``target`` (batch, prompt length): value, goal, met."""
+def targets(
+    rows: list[Row], serving: dict[str, Any], target: tuple[int, int], floor_goal: float = 1.5
+) -> list[Row]:
+    """The issue's targets at ``target`` (batch, prompt length): value, goal, met
+    (``floor_goal``: the most decode may take as a multiple of its weight-read floor)."""
     batch, length = target
     ours = find(rows, "mlafx", "decode", batch, length)
     eager = find(rows, "hf_eager", "decode", batch, length)
@@ -73,7 +76,7 @@ def targets(rows: list[Row], serving: dict[str, Any], target: tuple[int, int]) -
     checks = [
         ("decode vs transformers eager", ratio(ours, eager), 10.0, "x", True),
         ("decode vs torch.compile", ratio(ours, compiled), 2.0, "x", True),
-        ("decode / weight-read floor", ours and ours["x_floor"], 1.5, "x", False),
+        ("decode / weight-read floor", ours and ours["x_floor"], floor_goal, "x", False),
         ("prefill / bf16 matmul rate", prefill and prefill["matmul_fraction"], 0.70, "", True),
         ("prefix-hit TTFT speed-up", prefix and prefix["speedup"], 3.0, "x", True),
     ]
