@@ -107,7 +107,8 @@ def test_memory_estimate_counts_the_quantized_bytes():
     assert 29 * 2**30 < bf16 < 30 * 2**30
     assert 0.5 < int8 / bf16 < 0.56 and 0.27 < int4 / bf16 < 0.33
     with pytest.raises(ConfigError, match="int4-quantized weights"):
-        check_fits_in_memory(ModelConfig.from_model("deepseek-v3"), "bfloat16", 16, "int4")
+        deep = ModelConfig.from_model("deepseek-v2-lite", {"num_hidden_layers": 300})  # ~90 GiB
+        check_fits_in_memory(deep, "bfloat16", 16, "int4")
 
 
 def test_dequantized_weights_are_what_the_reference_multiplies():
@@ -143,3 +144,22 @@ def test_refusals_are_clear():
     with pytest.raises(ValueError, match="ONNX export of a quantized model"):
         mlafx.export("deepseek-v2-lite", "/nonexistent", "onnx", load_format="dummy",
                      dtype="float32", quantization="int8")  # fmt: skip
+
+
+def test_quantized_aoti_artifact_ships_the_quantized_bytes_and_serves_the_same_tokens(tmp_path):
+    import mlafx
+
+    options = dict(load_format="dummy", hf_overrides=TINY_OVERRIDES, dtype="float32",
+                   block_size=4, progress=False)  # fmt: skip
+    manifest = mlafx.export("deepseek-v2-lite", tmp_path / "int4", "aoti", quantization="int4",
+                            **options)  # fmt: skip
+    int4_bytes = manifest.files["weights.safetensors"]["bytes"]
+    estimate = weight_bytes(_tiny_config(), "float32", "int4")  # kv_b_proj, norms in fp32
+    assert estimate <= int4_bytes < 1.15 * estimate  # + padding to 16 rows, 32 columns
+    assert int4_bytes < 0.35 * weight_bytes(_tiny_config(), "float32")
+    prompts = random_prompts(3, 3, 12, seed=2)
+    served = mlafx.LLM.from_artifact(tmp_path / "int4", num_kv_blocks=64)
+    compiled = tiny_llm(compile=True, quantization="int4", block_size=4)
+    got = served.generate(prompts, greedy_params(6))
+    want = compiled.generate(prompts, greedy_params(6))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

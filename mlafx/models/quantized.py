@@ -159,8 +159,10 @@ class Quantizer:
                     meta = torch.empty(0, device="meta")
                     current = QuantizedExperts(two_i // 2, meta, meta)
                     setattr(parent, leaf, current)
-                attr = "gate_up_qweight" if name.endswith("gate_up_proj") else "down_qweight"
-                setattr(current, attr, packed)
+                source = name.rpartition(".")[2]
+                setattr(current, f"{source.removesuffix('_proj')}_qweight", packed)
+                # a stack loaded after its sibling was installed on the module now at its path
+                current._parameters.pop(source, None)
         self.quantized_bytes += packed.numel()
 
     def check_done(self) -> None:
