@@ -1,6 +1,7 @@
 """Real-size models: engine memory against the weights, compile time against the layer count.
 
     .venv/bin/mlafx bench real-size [--memory-layers 2 4] [--compile-layers 2 8 27] [--quick]
+                                    [--quantization int8|int4]
 
 memory   DeepSeek-V2-Lite at its real widths (64 experts, 6 active; bf16, dummy weights),
          truncated to N layers, each N in a fresh process with a fresh compile cache shared
@@ -49,19 +50,30 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def child_memory(layers: int, cache_dir: str) -> dict[str, object]:
+def child_memory(layers: int, cache_dir: str, quantization: str | None) -> dict[str, object]:
     import mlafx
+    import mlafx.compile.compiled_step as compiled_step
     from mlafx.config import ModelConfig
     from mlafx.config.memory import kv_bytes_per_token, weight_bytes
 
     overrides = {"num_hidden_layers": layers}
     cfg = ModelConfig.from_model("deepseek-v2-lite", overrides)
+    loaded: dict[str, float] = {}
+    compile_step = compiled_step.compile_step
+
+    def timed_compile_step(*args, **kwargs):  # type: ignore[no-untyped-def]
+        # the weights are loaded (and quantized) when the engine starts compiling
+        loaded.update(peak=_status("VmHWM"), seconds=time.perf_counter() - start)
+        return compile_step(*args, **kwargs)
+
+    compiled_step.compile_step = timed_compile_step
     start = time.perf_counter()
     llm = mlafx.LLM(
         "deepseek-v2-lite",
         load_format="dummy",
         hf_overrides=overrides,
         dtype="bfloat16",
+        quantization=quantization,
         num_kv_blocks=NUM_KV_BLOCKS,
         compile_cache_dir=cache_dir,
         progress=False,
@@ -69,11 +81,14 @@ def child_memory(layers: int, cache_dir: str) -> dict[str, object]:
     build_s = time.perf_counter() - start
     peak = _status("VmHWM")
     outs = llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], mlafx.SamplingParams(max_tokens=4))
-    weights = weight_bytes(cfg, "bfloat16")
+    weights = weight_bytes(cfg, "bfloat16", quantization)
     kv = kv_bytes_per_token(cfg, "bfloat16") * NUM_KV_BLOCKS * llm.block_size
     rss = _status("VmRSS")
     return {
         "layers": layers,
+        "quantization": quantization,
+        "load_s": loaded["seconds"],
+        "load_peak_rss_gib": loaded["peak"] / GIB,
         "weights_gib": weights / GIB,
         "kv_gib": kv / GIB,
         "build_and_compile_s": build_s,
@@ -139,13 +154,19 @@ def main() -> int:
     parser.add_argument("--memory-layers", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--compile-layers", type=int, nargs="*", default=[2, 8, 27])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--quantization",
+        choices=["int8", "int4"],
+        default=None,
+        help="the memory rows with quantized weights (e.g. --memory-layers 27: the full preset)",
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "real_size.json")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         kind, *rest = args.child
         if kind == "memory":
-            result = child_memory(int(rest[0]), rest[1])
+            result = child_memory(int(rest[0]), rest[1], rest[2] if len(rest) > 2 else None)
         elif kind == "compile":
             result = child_compile(int(rest[0]), rest[1])
         else:
@@ -159,10 +180,13 @@ def main() -> int:
     memory, compile_rows = [], []
     with tempfile.TemporaryDirectory() as shared:
         for layers in args.memory_layers:
-            row = _run_child(["memory", str(layers), shared])
+            quantized = [args.quantization] if args.quantization else []
+            row = _run_child(["memory", str(layers), shared, *quantized])
             memory.append(row)
             print(
-                f"V2-Lite widths, {layers} layers: weights {row['weights_gib']:.2f} GiB, "
+                f"V2-Lite widths, {layers} layers, {args.quantization or 'bf16'}: weights "
+                f"{row['weights_gib']:.2f} GiB, loaded in {row['load_s']:.1f} s (peak RSS "
+                f"{row['load_peak_rss_gib']:.2f} GiB), "
                 f"peak RSS {row['peak_rss_gib']:.2f} GiB (limit {row['peak_limit_gib']:.2f}), "
                 f"engine RSS {row['engine_rss_gib']:.2f} GiB "
                 f"(limit {row['engine_limit_gib']:.2f}), "
