@@ -1,0 +1,232 @@
+"""mlafx's quantized weight formats, int8 and int4: what the bytes mean (one place for the
+quantizer, the kernels, the loader and the GGUF repacking to agree on).
+
+A weight W [N, K] is cut into groups of ``GROUP = 32`` consecutive columns of one row, each
+group with one float16 scale ``d`` (llama.cpp's Q8_0 and Q4_0 blocks: the same 32 weights and
+scale, so a GGUF tensor in either type repacks into this layout without loss):
+
+    int8  q in [-128, 127]   w = d * q          (Q8_0)       8.5 bits per weight
+    int4  q in [0, 15]       w = d * (q - 8)    (Q4_0)       4.5 bits per weight
+
+Layout, ``packed`` uint8 [ceil(N/16), G = ceil(K/32), S]: block b holds rows 16b..16b+15 and,
+for each group g, ``S = QUANT_BYTES[bits] + 32`` bytes: the quants, then the 16 rows' scales
+(float16, little-endian, row 16b+i at bytes QUANT_BYTES + 2i). Quants are laid out for
+``VPDPBUSD`` with lanes along the block's 16 rows (4 consecutive columns of one row per 32-bit
+lane, so no horizontal sums): byte ``64*s + 4*i + j`` of the group is
+
+    int8  q[16b+i, 32g+4s+j] + 128 (offset binary), s in 0..7
+    int4  q[16b+i, 32g+4s+j] | q[16b+i, 32g+16+4s+j] << 4, s in 0..3
+          (low nibbles hold the group's columns 0..15, high nibbles 16..31: Q4_0's order)
+
+Rows past N have scale 0 and q = 0 (int8 byte 128, int4 byte 0x88), as do columns past K.
+
+Activations (W8A8, as llama.cpp's ``ggml_vec_dot_q8_0_q8_0`` / ``q4_0_q8_0``): a linear over a
+quantized weight quantizes each row of x per group of 32 columns, symmetrically to int8 with a
+float32 scale, ``d_x = amax / 127``, ``q_x = clamp(round_half_even(x * (1 / d_x)), -127, 127)``
+(0 where ``d_x`` is 0). The product is then exact integer dot products per group scaled by
+``d_w * d_x``: ``y[m, n] = sum_g d_w[n, g] * d_x[m, g] * sum_k (q_w - z) * q_x`` (z = 0 for
+int8, 8 for int4), summed in fp32 and rounded once to x's dtype. The op semantics *include*
+this activation rounding, so every path (kernels, the model's eager reference) computes the
+same thing; the integer dot runs 64 products per ``VPDPBUSD`` against 32 per ``VDPBF16PS``.
+
+Weight quantizers (``quantize_weight``, also in C++ as ``mlafx::quantize_linear_weight``):
+- int8: ``d = fp16(amax / 127)``, ``q = clamp(round(w / d), -127, 127)``: Q8_0's scale; each
+  q is the nearest for that stored scale (Q8_0 rounds ``w * (1/d)`` with the unrounded d), so
+  every weight's error is at most Q8_0's.
+- int4: the scale is searched per group: candidates ``d = fp16(m / c)`` with m the group's
+  value of largest magnitude and c in ``INT4_DIVISORS`` (c = -8 is Q4_0's own choice), each q
+  the nearest for its d; the candidate with the least squared error wins (ties: the first).
+  So every group's squared error is at most Q4_0's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32  # columns per scale
+BLOCK_ROWS = 16  # rows per block (the 16 lanes of a 512-bit register of int32)
+QUANT_BYTES = {8: GROUP * BLOCK_ROWS, 4: GROUP * BLOCK_ROWS // 2}  # per block and group
+SCALE_BYTES = 2 * BLOCK_ROWS
+BITS = {"int8": 8, "int4": 4}
+# int4 scale candidates: d = m / c for the group's largest-magnitude value m (Q4_0: c = -8).
+INT4_DIVISORS = (-8.0, -7.75, -7.5, -7.25, -7.0, -6.75, -6.5, 7.0, 6.75, 6.5, 6.25)
+
+
+def group_bytes(bits: int) -> int:
+    """Bytes per block and group: S, the last dim of a packed weight."""
+    return QUANT_BYTES[bits] + SCALE_BYTES
+
+
+def bits_of(packed: torch.Tensor) -> int:
+    """The format of a packed weight, from its last dim."""
+    for bits in QUANT_BYTES:
+        if packed.shape[-1] == group_bytes(bits):
+            return bits
+    raise ValueError(f"not a packed int8/int4 weight: last dim {packed.shape[-1]}")
+
+
+def packed_shape(out_features: int, in_features: int, bits: int) -> tuple[int, int, int]:
+    return (-(-out_features // BLOCK_ROWS), -(-in_features // GROUP), group_bytes(bits))
+
+
+def packed_nbytes(out_features: int, in_features: int, bits: int) -> int:
+    blocks, groups, size = packed_shape(out_features, in_features, bits)
+    return blocks * groups * size
+
+
+# ---- weights: quantize / dequantize (vectorised torch; the C++ quantizer is the fast one) ---
+
+
+def _padded_groups(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> fp32 [NB*16, G, 32], zero-padded."""
+    n, k = weight.shape
+    blocks, groups, _ = packed_shape(n, k, 8)
+    padded = torch.zeros(blocks * BLOCK_ROWS, groups * GROUP, dtype=torch.float32)
+    padded[:n, :k] = weight
+    return padded.view(blocks * BLOCK_ROWS, groups, GROUP)
+
+
+def quantize_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [..., 32] -> (q int16 [..., 32] in the format's range, d float16 [...]), by the
+    quantizer of the module docstring."""
+    if bits == 8:
+        amax = groups.abs().amax(-1)
+        d = (amax / 127).to(torch.float16)
+        d32 = d.float().unsqueeze(-1)
+        q = torch.where(d32 > 0, torch.round(groups / d32), 0.0).clamp(-127, 127)
+        return q.to(torch.int16), d
+    index = groups.abs().argmax(-1, keepdim=True)
+    peak = groups.gather(-1, index)  # the value of largest magnitude, with its sign
+    best_q = best_d = best_err = None
+    for c in INT4_DIVISORS:
+        d = (peak / c).to(torch.float16).float()
+        q = torch.where(d != 0, torch.round(groups / d), 0.0).clamp(-8, 7)
+        err = ((groups - d * q) ** 2).sum(-1, keepdim=True)
+        if best_err is None:
+            best_q, best_d, best_err = q, d, err
+            continue
+        better = err < best_err
+        best_q = torch.where(better, q, best_q)
+        best_d = torch.where(better, d, best_d)
+        best_err = torch.where(better, err, best_err)
+    return (best_q + 8).to(torch.int16), best_d.squeeze(-1).to(torch.float16)
+
+
+def pack_groups(q: torch.Tensor, d: torch.Tensor, bits: int) -> torch.Tensor:
+    """q int [NB*16, G, 32] (int8: -128..127, int4: 0..15), d float16 [NB*16, G] -> packed
+    uint8 [NB, G, S] in the layout of the module docstring."""
+    rows, groups, _ = q.shape
+    blocks = rows // BLOCK_ROWS
+    q = q.view(blocks, BLOCK_ROWS, groups, GROUP).permute(0, 2, 1, 3)  # [NB, G, 16, 32]
+    if bits == 8:
+        lanes = (q.to(torch.int32) + 128).to(torch.uint8)  # [NB, G, 16(i), 32(k)]
+        quants = lanes.reshape(blocks, groups, BLOCK_ROWS, 8, 4).permute(0, 1, 3, 2, 4)
+    else:
+        q = q.to(torch.uint8)
+        nibbles = q[..., :16] | (q[..., 16:] << 4)  # [NB, G, 16(i), 16]: k and k+16
+        quants = nibbles.reshape(blocks, groups, BLOCK_ROWS, 4, 4).permute(0, 1, 3, 2, 4)
+    scales = d.view(blocks, BLOCK_ROWS, groups).permute(0, 2, 1).contiguous()  # [NB, G, 16]
+    scale_bytes = scales.view(torch.uint8)  # [NB, G, 32], little-endian float16
+    quants = quants.reshape(blocks, groups, QUANT_BYTES[bits])
+    return torch.cat([quants, scale_bytes], dim=-1).contiguous()
+
+
+def quantize_weight_ref(weight: torch.Tensor, bits: int) -> torch.Tensor:
+    """weight [N, K] (any float dtype) -> packed uint8 [ceil(N/16), ceil(K/32), S]: the
+    reference of ``mlafx::quantize_linear_weight``."""
+    groups = _padded_groups(weight)
+    q, d = quantize_groups(groups, bits)
+    return pack_groups(q, d, bits)
+
+
+def unpack_groups(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """packed uint8 [NB, G, S] -> (signed q int16 [NB*16, G, 32] with z removed, i.e. w = d*q;
+    d float16 [NB*16, G])."""
+    bits = bits_of(packed)
+    blocks, groups, _ = packed.shape
+    quants = packed[..., : QUANT_BYTES[bits]]
+    scales = packed[..., QUANT_BYTES[bits] :].contiguous().view(torch.float16)  # [NB, G, 16]
+    if bits == 8:
+        lanes = quants.reshape(blocks, groups, 8, BLOCK_ROWS, 4).permute(0, 3, 1, 2, 4)
+        q = lanes.reshape(blocks, BLOCK_ROWS, groups, GROUP).to(torch.int16) - 128
+    else:
+        lanes = quants.reshape(blocks, groups, 4, BLOCK_ROWS, 4).permute(0, 3, 1, 2, 4)
+        lanes = lanes.reshape(blocks, BLOCK_ROWS, groups, 16).to(torch.int16)
+        q = torch.cat([lanes & 0xF, lanes >> 4], dim=-1) - 8
+    d = scales.permute(0, 2, 1).reshape(blocks * BLOCK_ROWS, groups)
+    return q.reshape(blocks * BLOCK_ROWS, groups, GROUP), d
+
+
+def dequantize_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """packed -> W [N, K] float32, exactly d * (q - z) (a float16 scale times a small integer
+    is exact in float32)."""
+    q, d = unpack_groups(packed)
+    w = q.float() * d.float().unsqueeze(-1)
+    return w.reshape(w.shape[0], -1)[:out_features, :in_features]
+
+
+# ---- activations and the product -----------------------------------------------------------
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q_x float32 [M, G, 32] holding integers in [-127, 127], d_x float32 [M, G]),
+    zero-padded past K (the rule of the module docstring)."""
+    m, k = x.shape
+    groups = -(-k // GROUP)
+    padded = torch.zeros(m, groups * GROUP, dtype=torch.float32)
+    padded[:, :k] = x
+    padded = padded.view(m, groups, GROUP)
+    d = padded.abs().amax(-1) / 127
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(padded * inverse.unsqueeze(-1)).clamp(-127, 127)
+    q = torch.where(torch.isnan(padded), padded, q)  # NaN propagates, as through the kernels
+    return q, d
+
+
+def linear_quantized_reference(
+    x: torch.Tensor,  # [M, K]
+    packed: torch.Tensor,  # [ceil(N/16), ceil(K/32), S] uint8
+    out_features: int,  # N
+    bias: torch.Tensor | None = None,  # [N], x's dtype
+) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` -> [M, N] in x's dtype, by the semantics of the module docstring:
+    x quantized per row and group of 32, W dequantized, the product in float32 (the model's
+    eager path; the kernels' integer dots give the same up to fp32 summation order)."""
+    q_x, d_x = quantize_activations(x.reshape(-1, x.shape[-1]))
+    x_deq = (q_x * d_x.unsqueeze(-1)).reshape(q_x.shape[0], -1)
+    w = dequantize_weight(packed, out_features, x_deq.shape[1])
+    out = (x_deq @ w.t()).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def moe_experts_quantized_reference(
+    x: torch.Tensor,  # [T, D]
+    topk_ids: torch.Tensor,  # [T, k] int64
+    topk_weights: torch.Tensor,  # [T, k] float32
+    w13: torch.Tensor,  # [E, ceil(2I/16), ceil(D/32), S] uint8: gate rows, then up rows
+    w2: torch.Tensor,  # [E, ceil(D/16), ceil(I/32), S] uint8
+    intermediate_size: int,  # I
+) -> torch.Tensor:
+    """Routed experts over quantized weights -> [T, D] in x's dtype, grouped by expert as
+    ``models.moe.routed_experts_reference``, each linear :func:`linear_quantized_reference`:
+    ``[g | u] = x @ W13^T`` (rounded to x's dtype), ``h = silu(g) * u`` in x's dtype,
+    ``y = h @ W2^T`` (x's dtype), then ``sum_j topk_weights * y`` in float32, rounded once."""
+    num_experts, k = w13.shape[0], topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    if flat_ids.numel() and not (0 <= int(flat_ids.min()) and int(flat_ids.max()) < num_experts):
+        raise IndexError(f"topk_ids out of range for {num_experts} experts")
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    flat_weights = topk_weights.reshape(-1, 1)
+    pair_out = torch.zeros(flat_ids.shape[0], x.shape[1], dtype=torch.float32)
+    for expert, pairs in enumerate(torch.split(order, counts)):
+        if pairs.numel() == 0:
+            continue
+        gate_up = linear_quantized_reference(x[pairs // k], w13[expert], 2 * intermediate_size)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = linear_quantized_reference(F.silu(gate) * up, w2[expert], x.shape[1])
+        pair_out.index_copy_(0, pairs, y.to(torch.float32) * flat_weights[pairs])
+    return pair_out.view(-1, k, x.shape[1]).sum(1).to(x.dtype)
