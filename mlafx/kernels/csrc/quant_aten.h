@@ -31,6 +31,11 @@ QuantizedActivations quantize_activations(const at::Tensor& x);
 QuantizedActivations gather_rows(const QuantizedActivations& src,
                                  const std::vector<int64_t>& index);
 
+// out[m * ldo + n] = the product of rows x (M of them) with the packed weight [NB, G, S]
+// over its rows n in [0, N), fp32, in parallel over blocks (>= ~64 KB of weight per thread).
+void quant_product_f32(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
+                       int64_t blocks, int64_t groups, int64_t N, float* out, int64_t ldo);
+
 // The format of a packed weight from its last dim (544 -> 8, 288 -> 4), else 0.
 int quant_bits_of(int64_t group_bytes);
 

@@ -193,6 +193,28 @@ QuantizedActivations gather_rows(const QuantizedActivations& src,
   return out;
 }
 
+void quant_product_f32(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
+                       int64_t blocks, int64_t groups, int64_t N, float* out, int64_t ldo) {
+  const int64_t block_bytes = std::max<int64_t>(groups, 1) * quant_group_bytes(bits);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / block_bytes);
+  // Steps of blocks whose fp32 scratch ([M, 16 * step]) stays within ~256 KB.
+  const int64_t step = std::clamp<int64_t>((int64_t{64} << 10) / (std::max<int64_t>(M, 1) * kRows),
+                                           1, 16);
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    const int64_t ld = step * kRows;
+    std::vector<float> scratch(static_cast<size_t>(M * ld));
+    for (int64_t s0 = b0; s0 < b1; s0 += step) {
+      const int64_t s1 = std::min(b1, s0 + step);
+      quant_dot(bits, x, M, packed, groups, s0, s1, scratch.data(), ld);
+      const int64_t n0 = s0 * kRows;
+      const int64_t n1 = std::min(N, s1 * kRows);
+      for (int64_t m = 0; m < M; ++m) {
+        std::memcpy(out + m * ldo + n0, scratch.data() + m * ld, (n1 - n0) * sizeof(float));
+      }
+    }
+  });
+}
+
 int quant_bits_of(int64_t group_bytes) {
   if (group_bytes == quant_group_bytes(8)) {
     return 8;
