@@ -42,6 +42,8 @@ AVX512_FLAGS = [
     "-mavx512vl",
     "-mavx512dq",
     "-mavx512bf16",
+    "-mavx512vnni",  # VPDPBUSD (quant_dot_avx512.cpp, behind use_avx512_vnni())
+    "-mf16c",
     "-mfma",
     "-DCPU_CAPABILITY_AVX512",
     "-DCPU_CAPABILITY=AVX512",

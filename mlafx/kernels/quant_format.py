@@ -166,6 +166,58 @@ def dequantize_weight(packed: torch.Tensor, out_features: int, in_features: int)
     return w.reshape(w.shape[0], -1)[:out_features, :in_features]
 
 
+# ---- GGUF (llama.cpp) Q8_0 / Q4_0 tensors -----------------------------------------------
+#
+# A GGUF Q8_0 row is K/32 blocks of 34 bytes: float16 d, then 32 int8 q (w = d * q); a Q4_0
+# row K/32 blocks of 18 bytes: float16 d, then 16 bytes whose low nibble is element j and high
+# nibble element j + 16 (w = d * (q - 8)). Both are exactly our groups, re-laid out.
+
+
+def _ggml_groups(
+    blocks: torch.Tensor, out_features: int, in_features: int, quant_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [N, K/32 * (2 + quant_bytes)] -> (quant bytes [N, G, quant_bytes], d fp16 [N, G])."""
+    if in_features % GROUP != 0:
+        raise ValueError(f"GGUF blocks need in_features % {GROUP} == 0, got {in_features}")
+    groups = in_features // GROUP
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != (
+        out_features,
+        groups * (2 + quant_bytes),
+    ):
+        raise ValueError(
+            f"blocks must be uint8 [{out_features}, {groups * (2 + quant_bytes)}], got "
+            f"{blocks.dtype} {tuple(blocks.shape)}"
+        )
+    raw = blocks.reshape(out_features, groups, 2 + quant_bytes)
+    d = raw[..., :2].contiguous().view(torch.float16).squeeze(-1)  # [N, G]
+    return raw[..., 2:], d
+
+
+def _pack_padded(q: torch.Tensor, d: torch.Tensor, bits: int, pad_q: int) -> torch.Tensor:
+    """q [N, G, 32], d fp16 [N, G] -> packed, rows past N with q = pad_q and d = 0."""
+    n, groups, _ = q.shape
+    rows = -(-n // BLOCK_ROWS) * BLOCK_ROWS
+    q_padded = torch.full((rows, groups, GROUP), pad_q, dtype=torch.int16)
+    q_padded[:n] = q
+    d_padded = torch.zeros(rows, groups, dtype=torch.float16)
+    d_padded[:n] = d
+    return pack_groups(q_padded, d_padded, bits)
+
+
+def repack_ggml_q8_0(blocks: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """GGUF Q8_0 data uint8 [N, K/32 * 34] -> packed int8 [ceil(N/16), K/32, 544], lossless."""
+    quants, d = _ggml_groups(blocks, out_features, in_features, GROUP)
+    return _pack_padded(quants.contiguous().view(torch.int8).to(torch.int16), d, 8, 0)
+
+
+def repack_ggml_q4_0(blocks: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """GGUF Q4_0 data uint8 [N, K/32 * 18] -> packed int4 [ceil(N/16), K/32, 288], lossless."""
+    quants, d = _ggml_groups(blocks, out_features, in_features, GROUP // 2)
+    nibbles = quants.to(torch.int16)
+    q = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1)  # elements j, then j + 16
+    return _pack_padded(q, d, 4, 8)
+
+
 # ---- activations and the product -----------------------------------------------------------
 
 
@@ -180,6 +232,8 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = padded.abs().amax(-1) / 127
     inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(padded * inverse.unsqueeze(-1)).clamp(-127, 127)
+    # A zero stays 0 when 1 / d overflows (amax below ~3.7e-37): 0 * inf would be NaN.
+    q = torch.where(padded == 0, 0.0, q)
     q = torch.where(torch.isnan(padded), padded, q)  # NaN propagates, as through the kernels
     return q, d
 

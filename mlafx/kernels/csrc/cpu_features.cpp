@@ -59,6 +59,22 @@ bool cpu_supports_amx_bf16() {
 #endif
 }
 
+bool cpu_supports_avx512_vnni() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+bool use_avx512_vnni() {
+  static const bool use = cpu_supports_avx512_vnni() && !avx512_disabled_by_env();
+  return use;
+}
+
 bool use_amx_bf16() {
   static const bool use = use_avx512_bf16() && !amx_disabled_by_env() && cpu_supports_amx_bf16();
   return use;

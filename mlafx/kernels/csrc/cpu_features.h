@@ -19,6 +19,13 @@ bool avx512_disabled_by_env();
 // process (on first call), so the environment variable must be set before the first op runs.
 bool use_avx512_bf16();
 
+// True iff the CPU and OS support AVX-512 F/BW/VL + VNNI (VPDPBUSD) + F16C (the quantized
+// kernels' fp16 scales): the quantized products' AVX-512 path (quant_dot_avx512.cpp).
+bool cpu_supports_avx512_vnni();
+
+// cpu_supports_avx512_vnni() and not avx512_disabled_by_env(); computed once per process.
+bool use_avx512_vnni();
+
 // True iff the CPU has AMX-TILE + AMX-BF16 and Linux granted this process the tile state
 // (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile instruction raises SIGILL).
 bool cpu_supports_amx_bf16();

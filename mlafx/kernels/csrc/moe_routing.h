@@ -1,0 +1,50 @@
+// The (token, choice) pairs of a routed-experts call grouped by expert: shared by
+// moe_experts (moe.cpp) and moe_experts_quantized (quant_moe.cpp). Portable sources only.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace mlafx {
+
+// The pairs routed to one expert: positions [begin, end) of the expert-sorted pair list.
+struct ExpertGroup {
+  int64_t expert;
+  int64_t begin;
+  int64_t end;
+  int64_t size() const { return end - begin; }
+};
+
+struct Routing {
+  std::vector<int64_t> sorted_pairs;  // pair p = t * k + j, grouped by expert, stable
+  std::vector<ExpertGroup> streaming;  // 1..max_streaming_pairs pairs
+  std::vector<ExpertGroup> gemm;       // more pairs
+};
+
+// Counting sort of the pairs by expert; ids were range-checked by the caller.
+inline Routing group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t num_experts,
+                               int64_t max_streaming_pairs) {
+  std::vector<int64_t> offsets(static_cast<size_t>(num_experts) + 1, 0);
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    ++offsets[ids[p] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) {
+    offsets[e + 1] += offsets[e];
+  }
+  Routing routing;
+  routing.sorted_pairs.resize(static_cast<size_t>(num_pairs));
+  std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    routing.sorted_pairs[fill[ids[p]]++] = p;
+  }
+  for (int64_t e = 0; e < num_experts; ++e) {
+    const ExpertGroup group{e, offsets[e], offsets[e + 1]};
+    if (group.size() == 0) {
+      continue;  // never read
+    }
+    (group.size() <= max_streaming_pairs ? routing.streaming : routing.gemm).push_back(group);
+  }
+  return routing;
+}
+
+}  // namespace mlafx

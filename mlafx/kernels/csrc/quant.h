@@ -1,0 +1,54 @@
+// The int8 / int4 quantized products (W8A8): kernels behind linear_quantized
+// (quant_linear.cpp) and moe_experts_quantized (quant_moe.cpp). The format is defined in
+// mlafx/kernels/quant_format.py; in short, a packed weight is uint8 [NB = ceil(N/16),
+// G = ceil(K/32), S] and block b, group g holds, for rows 16b..16b+15 and columns
+// 32g..32g+31, the quants laid out for VPDPBUSD (lanes along the 16 rows; byte 64s + 4i + j
+// of the group is row i's column 4s+j, int4 nibbles low = column 4s+j, high = 16+4s+j), then
+// the 16 rows' fp16 scales. Stored quants are unsigned: int8 as q + 128, int4 as q + 8, so
+//   sum_k (stored - z) * q_x = sum_k stored * q_x - z * sum_k q_x,   z = 128 or 8,
+// which is how the AVX-512 kernel uses the u8 x s8 instruction; the sums of q_x per row and
+// group are made once, with the activations.
+//
+// Deliberately free of ATen/c10 includes: shared between portable and AVX-512 objects.
+#pragma once
+
+#include <cstdint>
+
+namespace mlafx {
+
+constexpr int64_t kQuantGroup = 32;      // columns per scale
+constexpr int64_t kQuantBlockRows = 16;  // rows per block (16 int32 lanes)
+
+constexpr int64_t quant_bytes(int bits) { return bits == 8 ? 512 : 256; }
+// Bytes per block and group: quants, then 16 fp16 scales.
+constexpr int64_t quant_group_bytes(int bits) { return quant_bytes(bits) + 2 * kQuantBlockRows; }
+
+// Rows of x quantized per group of 32 columns (quant_format.quantize_activations):
+//   q [M, ldq] int8 in [-127, 127] (zero past K), d [M, G] fp32, qsum [M, G] = sum of q.
+// A group whose scale is not finite (NaN or inf in x) has q = 0: d_x then makes every
+// output of that row NaN, as in the reference (0 * inf and 0 * NaN are NaN).
+struct QuantRows {
+  const int8_t* q;
+  int64_t ldq;  // >= G * 32
+  const float* d;
+  const int32_t* qsum;
+  int64_t ldd;  // row stride of d and qsum, >= G
+};
+
+// out[m * ldo + 16 * (b - block_begin) + i] = sum_g d_w[16b+i, g] * d_x[m, g] * isum(m, b, i, g)
+// for m < M, block_begin <= b < block_end, i < 16, summed in fp32 in group order; packed is
+// uint8 [NB, G, S]. The AVX-512 VNNI kernel when use_avx512_vnni(), else the portable one.
+// Single-threaded: callers give each thread its own range of blocks.
+void quant_dot(int bits, const QuantRows& x, int64_t M, const uint8_t* packed, int64_t groups,
+               int64_t block_begin, int64_t block_end, float* out, int64_t ldo);
+
+}  // namespace mlafx
+
+namespace mlafx::avx512 {
+
+// The contract of quant_dot (quant_dot_avx512.cpp); call only when mlafx::use_avx512_vnni().
+void quant_dot_vnni(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
+                    int64_t groups, int64_t block_begin, int64_t block_end, float* out,
+                    int64_t ldo);
+
+}  // namespace mlafx::avx512

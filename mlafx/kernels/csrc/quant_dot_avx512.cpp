@@ -1,0 +1,185 @@
+// AVX-512 VNNI specialisation of quant_dot (quant.h): compiled with the AVX-512 flags of
+// setup.py (incl. -mavx512vnni); only called after use_avx512_vnni(). The portable kernel
+// (quant_dot.cpp) is the reference; this one gives bit-identical results (below).
+//
+// Per block and group the 16 rows' quants are 8 vectors of 64 bytes (int8) or 4 (int4, each
+// split by and/shift into the low- and high-nibble vectors), lanes along the block's 16 rows,
+// 4 consecutive columns per 32-bit lane. Four bytes of a row of q_x broadcast as the dword
+// operand, so one VPDPBUSD adds 64 u8 x s8 products into 16 int32 row sums with no
+// horizontal sums (VDPBF16PS does 32). Stored weights are unsigned (q + z, z = 128 or 8):
+// the group's sum is corrected by z * sum(q_x), precomputed with the activations. After each
+// group: cvt to fp32, times d_x, times the 16 fp16 scales (VCVTPH2PS), added into fp32
+// accumulators. Those are *_round_ps intrinsics on purpose: GCC may contract plain
+// _mm512_mul_ps/_mm512_add_ps into an FMA, and with separate roundings the sums equal the
+// portable kernel's `acc += (float)isum * d_x * d_w` bit for bit.
+//
+// Tiles: MR rows of x x MB blocks, each (row, block) its own int32 chain: a chain of VPDPBUSD
+// has ~5 cycles of latency at 1-2 per cycle, so >= 8 independent chains keep the unit busy.
+// Registers: MR*MB int32 + MR*MB fp32 accumulators + MR broadcasts + one weight vector <= 32:
+// (MR, MB) = (1, 8), (2, 4), (3, 2), (4, 2). Blocks are walked in chunks of ~256 KB of
+// weights, and every row tile of x runs over a chunk before the next one: with M <= 4 (decode)
+// each weight byte is read once, from memory; with more rows the chunk is re-read from L2 per
+// 4 rows of x (prefill: 4 x 8 x 64 = 2 K MACs per 64-byte L2 line). These choices follow the
+// instruction's latency and register budget; they were NOT measured (the machine this was
+// written on has no AVX-512) and are the first thing to tune on a VNNI machine.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "quant.h"
+
+#if !defined(__AVX512VNNI__) || !defined(__AVX512BW__) || !defined(__F16C__)
+#error "quant_dot_avx512.cpp must be compiled with the AVX-512 (+VNNI) flags from setup.py"
+#endif
+
+namespace mlafx::avx512 {
+namespace {
+
+constexpr int64_t kChunkBytes = int64_t{256} << 10;
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);  // unaligned-safe
+  return _mm512_set1_epi32(v);
+}
+
+// out rows m0..m0+MR-1, blocks b..b+MB-1 (out column 16 * (b - out_block0)).
+template <int kBits, int MB, int MR>
+void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups, int64_t b,
+          int64_t out_block0, float* out, int64_t ldo) {
+  constexpr int64_t S = quant_group_bytes(kBits);
+  constexpr int32_t z = kBits == 8 ? 128 : 8;
+  __m512 facc[MB][MR];
+  for (int bb = 0; bb < MB; ++bb) {
+    for (int r = 0; r < MR; ++r) {
+      facc[bb][r] = _mm512_setzero_ps();
+    }
+  }
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* group[MB];
+    for (int bb = 0; bb < MB; ++bb) {
+      group[bb] = packed + ((b + bb) * groups + g) * S;
+    }
+    const int8_t* xq[MR];
+    for (int r = 0; r < MR; ++r) {
+      xq[r] = x.q + (m0 + r) * x.ldq + g * kQuantGroup;
+    }
+    __m512i iacc[MB][MR];
+    for (int bb = 0; bb < MB; ++bb) {
+      for (int r = 0; r < MR; ++r) {
+        iacc[bb][r] = _mm512_setzero_si512();
+      }
+    }
+    if constexpr (kBits == 8) {
+      for (int s = 0; s < 8; ++s) {
+        __m512i xb[MR];
+        for (int r = 0; r < MR; ++r) {
+          xb[r] = broadcast4(xq[r] + 4 * s);
+        }
+        for (int bb = 0; bb < MB; ++bb) {
+          const __m512i w = _mm512_loadu_si512(group[bb] + 64 * s);
+          for (int r = 0; r < MR; ++r) {
+            iacc[bb][r] = _mm512_dpbusd_epi32(iacc[bb][r], w, xb[r]);
+          }
+        }
+      }
+    } else {
+      for (int s = 0; s < 4; ++s) {
+        __m512i x_low[MR], x_high[MR];
+        for (int r = 0; r < MR; ++r) {
+          x_low[r] = broadcast4(xq[r] + 4 * s);        // columns 4s..4s+3
+          x_high[r] = broadcast4(xq[r] + 16 + 4 * s);  // columns 16+4s..
+        }
+        for (int bb = 0; bb < MB; ++bb) {
+          const __m512i v = _mm512_loadu_si512(group[bb] + 64 * s);
+          const __m512i w_low = _mm512_and_si512(v, low_nibbles);
+          const __m512i w_high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low_nibbles);
+          for (int r = 0; r < MR; ++r) {
+            iacc[bb][r] = _mm512_dpbusd_epi32(iacc[bb][r], w_low, x_low[r]);
+            iacc[bb][r] = _mm512_dpbusd_epi32(iacc[bb][r], w_high, x_high[r]);
+          }
+        }
+      }
+    }
+    __m512 dx[MR];
+    __m512i correction[MR];
+    for (int r = 0; r < MR; ++r) {
+      dx[r] = _mm512_set1_ps(x.d[(m0 + r) * x.ldd + g]);
+      correction[r] = _mm512_set1_epi32(z * x.qsum[(m0 + r) * x.ldd + g]);
+    }
+    for (int bb = 0; bb < MB; ++bb) {
+      const __m256i scale_bits =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group[bb] + quant_bytes(kBits)));
+      const __m512 scales = _mm512_cvtph_ps(scale_bits);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[bb][r], correction[r]));
+        const __m512 term = _mm512_mul_round_ps(
+            _mm512_mul_round_ps(isum, dx[r], _MM_FROUND_CUR_DIRECTION), scales,
+            _MM_FROUND_CUR_DIRECTION);
+        facc[bb][r] = _mm512_add_round_ps(facc[bb][r], term, _MM_FROUND_CUR_DIRECTION);
+      }
+    }
+  }
+  for (int bb = 0; bb < MB; ++bb) {
+    for (int r = 0; r < MR; ++r) {
+      _mm512_storeu_ps(out + (m0 + r) * ldo + (b + bb - out_block0) * kQuantBlockRows,
+                       facc[bb][r]);
+    }
+  }
+}
+
+// Blocks [b0, b1) for rows m0..m0+MR-1: MB at a time, the rest one by one.
+template <int kBits, int MB, int MR>
+void row_tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups,
+              int64_t b0, int64_t b1, int64_t out_block0, float* out, int64_t ldo) {
+  int64_t b = b0;
+  for (; b + MB <= b1; b += MB) {
+    tile<kBits, MB, MR>(x, m0, packed, groups, b, out_block0, out, ldo);
+  }
+  for (; b < b1; ++b) {
+    tile<kBits, 1, MR>(x, m0, packed, groups, b, out_block0, out, ldo);
+  }
+}
+
+template <int kBits>
+void quant_dot_bits(const QuantRows& x, int64_t M, const uint8_t* packed, int64_t groups,
+                    int64_t block_begin, int64_t block_end, float* out, int64_t ldo) {
+  const int64_t block_bytes = std::max<int64_t>(groups, 1) * quant_group_bytes(kBits);
+  const int64_t chunk = std::max<int64_t>(8, kChunkBytes / block_bytes / 8 * 8);
+  for (int64_t c0 = block_begin; c0 < block_end; c0 += chunk) {
+    const int64_t c1 = std::min(block_end, c0 + chunk);
+    int64_t m0 = 0;
+    for (; m0 + 4 <= M; m0 += 4) {
+      row_tile<kBits, 2, 4>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
+    }
+    switch (M - m0) {
+      case 3:
+        row_tile<kBits, 2, 3>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
+        break;
+      case 2:
+        row_tile<kBits, 4, 2>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
+        break;
+      case 1:
+        row_tile<kBits, 8, 1>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+}  // namespace
+
+void quant_dot_vnni(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
+                    int64_t groups, int64_t block_begin, int64_t block_end, float* out,
+                    int64_t ldo) {
+  if (bits == 8) {
+    quant_dot_bits<8>(x, M, packed, groups, block_begin, block_end, out, ldo);
+  } else {
+    quant_dot_bits<4>(x, M, packed, groups, block_begin, block_end, out, ldo);
+  }
+}
+
+}  // namespace mlafx::avx512
