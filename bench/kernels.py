@@ -27,6 +27,7 @@ from bench.kernel_cases.row import Row  # noqa: E402
 CASE_MODULES: list[str] = [
     "bench.kernel_cases.latent_cache",
     "bench.kernel_cases.moe_gemm",
+    "bench.kernel_cases.quant_gemm",
     "bench.kernel_cases.attention",
 ]
 

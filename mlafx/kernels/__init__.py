@@ -9,6 +9,9 @@ hint if it is missing or stale) and registers the ops' fake implementations.
 - ``attention_ops.py``, ``attention_reference.py``: the attention ops' wrappers/fakes, references
 - ``gemm_ops.py``, ``gemm_reference.py``: linears on packed weights, references
 - ``moe_ops.py``, ``moe_reference.py``: routed MoE experts, reference
+- ``quant_format.py``: the int8/int4 (Q8_0/Q4_0-like) packed weight format and its semantics
+- ``quant_ops.py``, ``quant_reference.py``: quantized linears and MoE experts (W8A8), float64
+  references
 - ``csrc/``: C++ kernels (``*_avx512.cpp`` compiled with AVX-512 flags, chosen at run time)
 """
 
@@ -33,6 +36,12 @@ from mlafx.kernels.gemm_ops import (
 )
 from mlafx.kernels.moe_ops import moe_experts
 from mlafx.kernels.ops import write_latent_cache
+from mlafx.kernels.quant_ops import (
+    linear_quantized,
+    moe_experts_quantized,
+    quant_cpu_isa,
+    quantize_linear_weight,
+)
 
 __all__ = [
     "ExtensionLoadError",
@@ -41,12 +50,16 @@ __all__ = [
     "library_path",
     "linear_decode",
     "linear_packed",
+    "linear_quantized",
     "load_extension",
     "merge_attn_states",
     "mla_attention_paged",
     "moe_experts",
+    "moe_experts_quantized",
     "pack_linear_weight",
     "parallel_num_threads",
+    "quant_cpu_isa",
+    "quantize_linear_weight",
     "unpack_linear_weight",
     "varlen_attention",
     "write_latent_cache",

@@ -117,6 +117,12 @@ def moe_experts_quantized(
     )
 
 
+def quant_cpu_isa() -> str:
+    """``"avx512_vnni"`` or ``"portable"``: the kernel the quantized ops take in this process
+    (``MLAFX_DISABLE_AVX512=1`` forces the portable one)."""
+    return torch.ops.mlafx.quant_cpu_isa()
+
+
 def quantize_experts(weights: torch.Tensor, bits: int) -> torch.Tensor:
     """Stacked expert weights [E, N, K] -> [E, ceil(N/16), ceil(K/32), S], one expert at a
     time (``moe_experts_quantized``'s w13 and w2)."""
@@ -128,6 +134,7 @@ __all__ = [
     "bits_of",
     "linear_quantized",
     "moe_experts_quantized",
+    "quant_cpu_isa",
     "quantize_experts",
     "quantize_linear_weight",
 ]

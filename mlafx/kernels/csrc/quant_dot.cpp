@@ -10,11 +10,13 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "cpu_features.h"
@@ -234,3 +236,9 @@ void quant_dot(int bits, const QuantRows& x, int64_t M, const uint8_t* packed, i
 }
 
 }  // namespace mlafx
+
+TORCH_LIBRARY_FRAGMENT(mlafx, m) {
+  // Which kernel the quantized ops take in this process: "avx512_vnni" or "portable".
+  m.def("quant_cpu_isa() -> str",
+        [] { return std::string(mlafx::use_avx512_vnni() ? "avx512_vnni" : "portable"); });
+}

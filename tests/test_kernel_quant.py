@@ -1,0 +1,268 @@
+"""mlafx::quantize_linear_weight and linear_quantized against their references.
+
+quantize_linear_weight must equal ``quant_format.quantize_weight_ref`` byte for byte (the int4
+scale search included: see csrc/quant_weight.cpp for the one tie corner that depends on
+torch's summation order). linear_quantized is compared with the float64 product of the same
+quantized activations and dequantized weights (``quant_reference.py``): the kernel sums
+(float)isum * d_x * d_w in fp32 (two roundings per term, one per add), then rounds once to
+x's dtype, so the bound is ``u * |exact| + (G + 3) * 2**-24 * (|x_q| @ |W|^T)``, which a
+dropped group or a row off by one exceeds by orders of magnitude. A bias is added after that
+rounding and rounded again. The portable and AVX-512 kernels give bit-identical results
+(separate fp32 roundings in both), which a child process with MLAFX_DISABLE_AVX512=1 checks.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlafx.kernels import linear_quantized, quant_cpu_isa, quantize_linear_weight
+from mlafx.kernels import quant_format as qf
+from mlafx.kernels.quant_reference import linear_quantized_f64, magnitude_f64
+
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _weight(N, K, gen, dtype=torch.float32):
+    # Rows of very different magnitudes, so scales span several binades.
+    scale = torch.exp2(torch.randint(-12, 4, (N, 1), generator=gen).float())
+    return (torch.randn(N, K, generator=gen) * scale).to(dtype)
+
+
+def _rows(M, K, dtype, gen, layout="contiguous"):
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    if layout == "strided":  # rows of a wider buffer
+        wide = torch.zeros(M, K + 7, dtype=dtype)
+        wide[:, 3 : 3 + K] = x
+        x = wide[:, 3 : 3 + K]
+    return x
+
+
+def _assert_within_bound(out, x, packed, N, bias=None):
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], N) and out.is_contiguous()
+    exact = linear_quantized_f64(x, packed, N)
+    magnitude = magnitude_f64(x, packed, N)
+    u = UNIT_ROUNDOFF[x.dtype]
+    finfo = torch.finfo(x.dtype)
+    half_subnormal = finfo.tiny * finfo.eps / 2
+    groups = packed.shape[1]
+    bound = u * exact.abs() + (groups + 3) * 2.0**-24 * magnitude * (1 + u) + half_subnormal
+    if bias is not None:
+        exact = exact + bias.double()
+        bound = bound + u * exact.abs() + u * (1 + u) * magnitude + half_subnormal
+    err = (out.double() - exact).abs()
+    assert (err <= bound).all(), f"max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize(("N", "K"), [(0, 5), (1, 1), (16, 32), (17, 33), (33, 64 + 13)])
+def test_quantize_weight_is_bit_identical(N, K, dtype, bits):
+    gen = torch.Generator().manual_seed(N * 100 + K + bits)
+    weight = _weight(N, K, gen, dtype)
+    packed = quantize_linear_weight(weight, bits)
+    expected = qf.quantize_weight_ref(weight, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == expected.shape
+    assert packed.is_contiguous()
+    assert torch.equal(packed, expected)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_weight_bit_identical_large_and_strided(bits):
+    # 300 blocks' worth of random groups: a tie between int4 candidates would show here.
+    gen = torch.Generator().manual_seed(bits)
+    weight = _weight(600, 1024 + 8, gen, torch.bfloat16)[:, 8:]  # strided rows
+    assert torch.equal(quantize_linear_weight(weight, bits), qf.quantize_weight_ref(weight, bits))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_weight_error_is_at_most_ggml(bits):
+    """Every group's error is at most llama.cpp's (Q8_0: every weight's; Q4_0: the group's
+    squared error), as quant_format's docstring promises."""
+    gguf = pytest.importorskip("gguf", reason="gguf (llama.cpp's quantizers) not installed")
+    gen = torch.Generator().manual_seed(7)
+    weight = _weight(64, 512, gen)
+    ours = qf.dequantize_weight(quantize_linear_weight(weight, bits), 64, 512).double()
+    kind = gguf.GGMLQuantizationType.Q8_0 if bits == 8 else gguf.GGMLQuantizationType.Q4_0
+    theirs = torch.from_numpy(
+        gguf.quants.dequantize(gguf.quants.quantize(weight.numpy(), kind), kind)
+    ).double()
+    w = weight.double()
+    if bits == 8:
+        assert ((ours - w).abs() <= (theirs - w).abs() * (1 + 1e-6) + 1e-30).all()
+    else:
+        ours_err = ((ours - w) ** 2).view(64, -1, 32).sum(-1)
+        theirs_err = ((theirs - w) ** 2).view(64, -1, 32).sum(-1)
+        assert (ours_err <= theirs_err * (1 + 1e-5) + 1e-30).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("N", "K"), [(16, 32), (45, 96)])
+def test_ggml_blocks_repack_exactly(N, K, bits):
+    gguf = pytest.importorskip("gguf", reason="gguf (llama.cpp's quantizers) not installed")
+    kind = gguf.GGMLQuantizationType.Q8_0 if bits == 8 else gguf.GGMLQuantizationType.Q4_0
+    weight = _weight(N, K, torch.Generator().manual_seed(N + bits))
+    blocks = gguf.quants.quantize(weight.numpy(), kind)  # uint8 [N, K/32 * (34 | 18)]
+    repack = qf.repack_ggml_q8_0 if bits == 8 else qf.repack_ggml_q4_0
+    packed = repack(torch.from_numpy(blocks), N, K)
+    assert packed.shape == qf.packed_shape(N, K, bits) and qf.bits_of(packed) == bits
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
+    assert torch.equal(qf.dequantize_weight(packed, N, K), expected)
+    x = torch.randn(5, K)
+    _assert_within_bound(linear_quantized(x, packed, N), x, packed, N)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    M=st.sampled_from([1, 2, 5, 8, 32, 33]),
+    K=st.sampled_from([1, 3, 31, 32, 33, 64 + 13, 256]),
+    N=st.sampled_from([1, 15, 16, 17, 100]),
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    bits=st.sampled_from([8, 4]),
+    layout=st.sampled_from(["contiguous", "strided"]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_linear_matches_reference(M, K, N, dtype, bits, layout, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = _rows(M, K, dtype, gen, layout)
+    packed = qf.quantize_weight_ref(_weight(N, K, gen), bits)
+    b = torch.randn(N, generator=gen).to(dtype) if bias else None
+    _assert_within_bound(linear_quantized(x, packed, N, b), x, packed, N, b)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_linear_1024_rows(bits):
+    gen = torch.Generator().manual_seed(1024)
+    x = _rows(1024, 512 + 13, torch.bfloat16, gen, "strided")
+    packed = quantize_linear_weight(_weight(70, 512 + 13, gen), bits)
+    out = linear_quantized(x, packed, 70)
+    _assert_within_bound(out, x, packed, 70)
+    # and the module's own eager semantics, to the fp32 summation order and one ulp of bf16
+    ref = qf.linear_quantized_reference(x, packed, 70)
+    tol = 2 * UNIT_ROUNDOFF[torch.bfloat16] * (ref.double().abs() + 1e-3)
+    assert ((out.double() - ref.double()).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_model_shapes_bf16(bits):
+    gen = torch.Generator().manual_seed(5)
+    for M, N, K in [(1, 576, 2048), (8, 2048, 1408)]:
+        x = torch.randn(M, K, generator=gen).bfloat16()
+        packed = quantize_linear_weight((torch.randn(N, K, generator=gen) / K**0.5), bits)
+        _assert_within_bound(linear_quantized(x, packed, N), x, packed, N)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_and_inf_propagate_to_their_row_only(value):
+    x = torch.randn(3, 70).bfloat16()
+    x[1, 40] = value
+    packed = quantize_linear_weight(torch.randn(20, 70), 4)
+    out = linear_quantized(x, packed, 20)
+    ref = qf.linear_quantized_reference(x, packed, 20)
+    assert torch.isnan(out[1]).all() and torch.isnan(ref[1]).all()
+    assert not torch.isnan(out[[0, 2]]).any()
+
+
+def test_tiny_activations_stay_finite():
+    # amax / 127 below ~2.9e-39: 1 / d overflows; zeros must stay 0 (not 0 * inf = NaN).
+    x = torch.zeros(2, 32)
+    x[0, 3] = 1e-38
+    x[1, 5] = -3e-39
+    packed = quantize_linear_weight(torch.randn(16, 32), 8)
+    out = linear_quantized(x, packed, 16)
+    assert torch.isfinite(out).all()
+    assert torch.isfinite(qf.linear_quantized_reference(x, packed, 16)).all()
+
+
+@pytest.mark.parametrize(("M", "dtype", "bits"), [(0, torch.float32, 8), (3, torch.bfloat16, 4)])
+def test_opcheck(M, dtype, bits):
+    weight = torch.randn(21, 45).to(dtype)
+    torch.library.opcheck(torch.ops.mlafx.quantize_linear_weight.default, (weight, bits))
+    packed = quantize_linear_weight(weight, bits)
+    x = torch.randn(M, 45).to(dtype)
+    bias = torch.randn(21).to(dtype)
+    for b in (None, bias):
+        torch.library.opcheck(torch.ops.mlafx.linear_quantized.default, (x, packed, 21, b))
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ("x_float64", TypeError, "x must be bfloat16, float16 or float32"),
+        ("x_1d", ValueError, r"x must be \[num_rows, in_features\]"),
+        ("not_uint8", TypeError, "packed_weight must be uint8"),
+        ("not_packed", ValueError, "packed_weight must come from quantize_linear_weight"),
+        ("out_features", ValueError, "out_features = 40 does not match"),
+        ("in_features", ValueError, "x has 70 features but packed_weight has 2 groups"),
+        ("x_last_dim_strided", ValueError, "x's last dim must be contiguous"),
+        ("bias_shape", ValueError, r"bias must be \[out_features\] = \[20\]"),
+        ("bias_dtype", TypeError, "bias dtype"),
+    ],
+)
+def test_invalid_inputs_raise(change, error, match):
+    packed = quantize_linear_weight(torch.randn(20, 64), 8)
+    x, n, b = torch.randn(3, 64), 20, None
+    if change == "x_float64":
+        x = x.double()
+    elif change == "x_1d":
+        x = x[0]
+    elif change == "not_uint8":
+        packed = packed.to(torch.int8)
+    elif change == "not_packed":
+        packed = packed[..., :100]
+    elif change == "out_features":
+        n = 40
+    elif change == "in_features":
+        x = torch.randn(3, 70)
+    elif change == "x_last_dim_strided":
+        x = torch.randn(3, 128)[:, ::2]
+    elif change == "bias_shape":
+        b = torch.randn(21)
+    elif change == "bias_dtype":
+        b = torch.randn(20).double()
+    with pytest.raises(error, match=match):
+        linear_quantized(x, packed, n, b)
+
+
+def test_quantize_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        quantize_linear_weight(torch.randn(4, 32), 3)
+    with pytest.raises(ValueError, match=r"weight must be \[out_features, in_features\]"):
+        quantize_linear_weight(torch.randn(2, 3, 4), 8)
+    with pytest.raises(TypeError, match="weight must be bfloat16, float16 or float32"):
+        quantize_linear_weight(torch.randn(2, 3).double(), 8)
+
+
+_PORTABLE_PROBE = """
+import sys, torch
+from mlafx.kernels import linear_quantized, quant_cpu_isa
+assert quant_cpu_isa() == "portable", quant_cpu_isa()
+cases = torch.load(sys.argv[1])
+torch.save([linear_quantized(x, packed, n) for x, packed, n in cases], sys.argv[2])
+"""
+
+
+def test_portable_path_is_bit_identical(tmp_path):
+    # On an AVX-512 VNNI CPU this compares the two kernels; elsewhere both are portable.
+    gen = torch.Generator().manual_seed(3)
+    cases = []
+    for bits in (8, 4):
+        for M, K, N in [(1, 77, 33), (5, 64 + 13, 100), (33, 256, 17), (70, 96, 40)]:
+            x = _rows(M, K, torch.bfloat16, gen, "strided")
+            cases.append((x, quantize_linear_weight(_weight(N, K, gen), bits), N))
+    torch.save(cases, tmp_path / "in.pt")
+    env = {**os.environ, "MLAFX_DISABLE_AVX512": "1"}
+    args = [sys.executable, "-c", _PORTABLE_PROBE, str(tmp_path / "in.pt"), str(tmp_path / "o.pt")]
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    portable = torch.load(tmp_path / "o.pt")
+    for (x, packed, n), expected in zip(cases, portable, strict=True):
+        assert torch.equal(linear_quantized(x, packed, n), expected), quant_cpu_isa()
