@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from mlafx.compile.compiled_step import lower_layer
+from mlafx.compile.layer_kinds import layer_kinds
 from mlafx.config import PRESETS, ModelConfig, weight_bytes
 from mlafx.config.memory import check_fits_in_memory
 from mlafx.config.model_config import ConfigError
@@ -22,10 +24,16 @@ from tests.engine_compare import assert_same_greedy, greedy_params, random_promp
 from tests.tiny_models import TINY_OVERRIDES, tiny_llm
 
 BITS = {"int8": 8, "int4": 4}
+# one layer kind (MoE, whose shared experts are a SwiGLU): one package to compile per format
+MOE_ONLY = {**TINY_OVERRIDES, "first_k_dense_replace": 0}
+
+
+def _tiny_config_of(overrides: dict) -> ModelConfig:
+    return ModelConfig.from_model("deepseek-v2-lite", overrides)
 
 
 def _tiny_config() -> ModelConfig:
-    return ModelConfig.from_model("deepseek-v2-lite", TINY_OVERRIDES)
+    return _tiny_config_of(TINY_OVERRIDES)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -123,15 +131,20 @@ def test_dequantized_weights_are_what_the_reference_multiplies():
 def test_compiled_quantized_engine_matches_its_reference_path(quantization):
     """Same quantized bytes, the compiled kernels against the plain-PyTorch reference."""
     prompts = random_prompts(4, 3, 20, seed=11)
-    refs = reference_alone(prompts, 8, block_size=4, quantization=quantization)
-    llm = tiny_llm(compile=True, quantization=quantization, block_size=4)
-    ops = {kind: lowering.stages[-1].ops for kind, lowering in llm.compiled.lowerings.items()}
-    assert ops["MoE"]["mlafx.moe_experts_quantized.default"] == 1
-    for kind, histogram in ops.items():  # q, kv_a, o, the MLP's three; kv_b_proj stays bf16
-        assert histogram["mlafx.linear_quantized.default"] == 6
-        assert histogram["aten.linear.default"] == (kind == "MoE")  # the fp32 router
+    options = dict(quantization=quantization, hf_overrides=MOE_ONLY, block_size=4)
+    refs = reference_alone(prompts, 8, **options)
+    llm = tiny_llm(compile=True, **options)
     outputs = llm.generate(prompts, greedy_params(8))
     assert_same_greedy(refs, outputs, f"compiled {quantization}")
+    # what the package was lowered to (lowered again: the package may come from the cache)
+    model = build_model(_tiny_config_of(MOE_ONLY), "float32", "dummy", progress=False,
+                        quantization=quantization)  # fmt: skip
+    (kind,) = layer_kinds(model)
+    ops = lower_layer(model, kind, 4).lowering.stages[-1].ops
+    assert ops["mlafx.moe_experts_quantized.default"] == 1
+    # q, kv_a, o and the shared experts' three; kv_b_proj stays in the model dtype
+    assert ops["mlafx.linear_quantized.default"] == 6
+    assert ops["aten.linear.default"] == 1  # the fp32 router
 
 
 def test_refusals_are_clear():
@@ -149,17 +162,18 @@ def test_refusals_are_clear():
 def test_quantized_aoti_artifact_ships_the_quantized_bytes_and_serves_the_same_tokens(tmp_path):
     import mlafx
 
-    options = dict(load_format="dummy", hf_overrides=TINY_OVERRIDES, dtype="float32",
+    options = dict(load_format="dummy", hf_overrides=MOE_ONLY, dtype="float32",
                    block_size=4, progress=False)  # fmt: skip
     manifest = mlafx.export("deepseek-v2-lite", tmp_path / "int4", "aoti", quantization="int4",
                             **options)  # fmt: skip
     int4_bytes = manifest.files["weights.safetensors"]["bytes"]
-    estimate = weight_bytes(_tiny_config(), "float32", "int4")  # kv_b_proj, norms in fp32
+    cfg = ModelConfig.from_model("deepseek-v2-lite", MOE_ONLY)
+    estimate = weight_bytes(cfg, "float32", "int4")  # kv_b_proj, norms, embedding in fp32
     assert estimate <= int4_bytes < 1.15 * estimate  # + padding to 16 rows, 32 columns
-    assert int4_bytes < 0.35 * weight_bytes(_tiny_config(), "float32")
+    assert int4_bytes < 0.4 * weight_bytes(cfg, "float32")
     prompts = random_prompts(3, 3, 12, seed=2)
     served = mlafx.LLM.from_artifact(tmp_path / "int4", num_kv_blocks=64)
-    compiled = tiny_llm(compile=True, quantization="int4", block_size=4)
+    compiled = tiny_llm(compile=True, quantization="int4", hf_overrides=MOE_ONLY, block_size=4)
     got = served.generate(prompts, greedy_params(6))
     want = compiled.generate(prompts, greedy_params(6))
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
