@@ -4,8 +4,9 @@ Build it against the torch already installed (the ABI must match exactly):
     pip install --no-build-isolation -e .        (or: make build)
 
 ISA dispatch. ``mlafx/kernels/csrc/*_avx512.cpp`` are compiled with AVX-512 (+BF16) flags,
-every other source portably (no -march), so the one library loads on any x86-64 CPU; C++
-picks the AVX-512 functions at run time (``csrc/cpu_features.h``). The flags are chosen per
+``*_avx2.cpp`` with AVX2 + FMA + F16C, every other source portably (no -march), so the one
+library loads on any x86-64 CPU; C++ picks the AVX-512 / AVX2 functions at run time
+(``csrc/cpu_features.h``). The flags are chosen per
 source by wrapping the compiler's single-source ``_compile`` — which is why ninja is off:
 torch's ninja backend writes one set of flags for the whole extension.
 """
@@ -52,6 +53,18 @@ AVX512_FLAGS = [
 # bug 105593, fixed in 13), which would bury real warnings.
 AVX512_WARNING_FLAGS = ["-Wno-maybe-uninitialized"]
 AVX512_SUFFIX = "_avx512.cpp"
+# The AVX2 tier (namespace mlafx::avx2, behind use_avx2()). -ffp-contract=off: GCC would fuse
+# _mm256_mul_ps + _mm256_add_ps into an FMA, and the kernels must round every multiply and add
+# separately to stay bit-identical with the portable code (which baseline x86-64 never fuses).
+AVX2_FLAGS = [
+    "-mavx2",
+    "-mfma",
+    "-mf16c",
+    "-ffp-contract=off",
+    "-DCPU_CAPABILITY_AVX2",
+    "-DCPU_CAPABILITY=AVX2",
+]
+AVX2_SUFFIX = "_avx2.cpp"
 # `*_amx_avx512.cpp` also get the AMX tile instructions (Sapphire Rapids and later); like the
 # AVX-512 sources they are only called after the run-time check (cpu_features.h), which also
 # asks Linux for permission to use the tile state.
@@ -69,11 +82,12 @@ def _load_source_hash():
 
 def _sources() -> list[str]:
     paths = sorted(CSRC.glob("*.cpp"))
-    # AVX-512 objects go last on the link line. Inline functions from shared headers (c10,
-    # ATen, libstdc++) are emitted in every object that does not inline them, and the linker
-    # keeps the first copy; listing the portable objects first means that kept copy is never
-    # one compiled with AVX-512 enabled, which would crash the portable path on older CPUs.
-    paths.sort(key=lambda p: p.name.endswith(AVX512_SUFFIX))
+    # AVX2 and AVX-512 objects go last on the link line. Inline functions from shared headers
+    # (c10, ATen, libstdc++) are emitted in every object that does not inline them, and the
+    # linker keeps the first copy; listing the portable objects first means that kept copy is
+    # never one compiled with AVX2/AVX-512 enabled, which would crash the portable path on
+    # older CPUs.
+    paths.sort(key=lambda p: (p.name.endswith(AVX2_SUFFIX), p.name.endswith(AVX512_SUFFIX)))
     return [str(p.relative_to(ROOT)) for p in paths]
 
 
@@ -94,6 +108,8 @@ class BuildExtensionPerSourceISA(BuildExtension):
                 isa_flags = AVX512_FLAGS + AMX_FLAGS + AVX512_WARNING_FLAGS
             elif src.endswith(AVX512_SUFFIX):
                 isa_flags = AVX512_FLAGS + AVX512_WARNING_FLAGS
+            elif src.endswith(AVX2_SUFFIX):
+                isa_flags = AVX2_FLAGS
             else:
                 isa_flags = PORTABLE_FLAGS
             compile_source(obj, src, ext, cc_args, list(extra_postargs) + isa_flags, pp_opts)

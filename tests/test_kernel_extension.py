@@ -65,12 +65,15 @@ def test_parallel_for_uses_torch_threads():
 
 # Mnemonic prefixes of VEX/EVEX (AVX, AVX-512) and AMX tile instructions.
 _GUARDED = ("v", "tile", "tdp", "ldtilecfg", "sttilecfg")
+# Operands only AVX-512 has: zmm, mask registers, xmm/ymm 16-31.
+_AVX512_ONLY = re.compile(r"%zmm|%k[0-7]\b|%[xy]mm(?:1[6-9]|[23][0-9])")
 
 
 def test_no_avx512_code_outside_avx512_sources():
-    """Only code from *_avx512.cpp (namespace mlafx::avx512, ATen's at::vec::AVX512) may use
-    VEX/EVEX or AMX tile instructions: anything else runs, or may run, before the CPU check,
-    and an inline function the linker picked from an AVX-512 object would crash older CPUs."""
+    """Only code from *_avx512.cpp (namespace mlafx::avx512, ATen's at::vec::AVX512) and
+    *_avx2.cpp (namespace mlafx::avx2) may use VEX/EVEX or AMX tile instructions: anything
+    else runs, or may run, before the CPU check, and an inline function the linker picked
+    from an AVX2/AVX-512 object would crash older CPUs."""
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("objdump (binutils) not installed")
@@ -82,9 +85,11 @@ def test_no_avx512_code_outside_avx512_sources():
     ).stdout
     # Demangled template functions carry their return type first ("void mlafx::avx512::f<8>(...)").
     allowed = re.compile(
-        r"^(?:[^\s<>(]+(?:<[^()]*>)?[\s*&]+)?(?:mlafx::avx512::|at::vec::AVX512::)"
+        r"^(?:[^\s<>(]+(?:<[^()]*>)?[\s*&]+)?(?:mlafx::avx512::|mlafx::avx2::|at::vec::AVX512::)"
     )
+    avx2 = re.compile(r"^(?:[^\s<>(]+(?:<[^()]*>)?[\s*&]+)?mlafx::avx2::")
     offenders: set[str] = set()
+    avx512_in_avx2: set[str] = set()
     function = ""
     for line in disassembly.splitlines():
         header = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
@@ -94,4 +99,8 @@ def test_no_avx512_code_outside_avx512_sources():
         fields = line.split("\t")
         if len(fields) >= 2 and fields[1].startswith(_GUARDED) and not allowed.match(function):
             offenders.add(function)
-    assert not offenders, f"vector-extension code outside the AVX-512 sources: {offenders}"
+        # The AVX2 tier runs on CPUs without AVX-512: no zmm or mask registers there.
+        if len(fields) >= 2 and avx2.match(function) and re.search(_AVX512_ONLY, fields[1]):
+            avx512_in_avx2.add(function)
+    assert not offenders, f"vector-extension code outside the AVX2/AVX-512 sources: {offenders}"
+    assert not avx512_in_avx2, f"AVX-512 code in the AVX2 sources: {avx512_in_avx2}"

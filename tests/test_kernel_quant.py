@@ -7,8 +7,9 @@ quantized activations and dequantized weights (``quant_reference.py``): the kern
 (float)isum * d_x * d_w in fp32 (two roundings per term, one per add), then rounds once to
 x's dtype, so the bound is ``u * |exact| + (G + 3) * 2**-24 * (|x_q| @ |W|^T)``, which a
 dropped group or a row off by one exceeds by orders of magnitude. A bias is added after that
-rounding and rounded again. The portable and AVX-512 kernels give bit-identical results
-(separate fp32 roundings in both), which a child process with MLAFX_DISABLE_AVX512=1 checks.
+rounding and rounded again. The portable, AVX2 and AVX-512 kernels give bit-identical results
+(separate fp32 roundings in all), which child processes (MLAFX_DISABLE_AVX512=1: portable;
+no ISA variables: the best path) check.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from hypothesis import strategies as st
 
 from mlafx.kernels import linear_quantized, quant_cpu_isa, quantize_linear_weight
 from mlafx.kernels import quant_format as qf
-from mlafx.kernels.quant_reference import linear_quantized_f64, magnitude_f64
+from mlafx.kernels.quant_ops import quantize_experts
+from mlafx.kernels.quant_reference import (
+    linear_quantized_f64,
+    magnitude_f64,
+    moe_experts_quantized_f64,
+)
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -241,28 +247,87 @@ def test_quantize_rejects_bad_inputs():
         quantize_linear_weight(torch.randn(2, 3).double(), 8)
 
 
-_PORTABLE_PROBE = """
+_PROBE = """
 import sys, torch
-from mlafx.kernels import linear_quantized, quant_cpu_isa
-assert quant_cpu_isa() == "portable", quant_cpu_isa()
-cases = torch.load(sys.argv[1])
-torch.save([linear_quantized(x, packed, n) for x, packed, n in cases], sys.argv[2])
+from mlafx.kernels import linear_quantized, moe_experts_quantized, quant_cpu_isa
+linear_cases, moe_cases = torch.load(sys.argv[1])
+out = [linear_quantized(x, packed, n) for x, packed, n in linear_cases]
+moe = [moe_experts_quantized(*args) for args in moe_cases]
+torch.save((quant_cpu_isa(), out, moe), sys.argv[2])
 """
+_ISA_ENV = ("MLAFX_DISABLE_AVX512", "MLAFX_DISABLE_AVX2")
 
 
-def test_portable_path_is_bit_identical(tmp_path):
-    # On an AVX-512 VNNI CPU this compares the two kernels; elsewhere both are portable.
-    gen = torch.Generator().manual_seed(3)
-    cases = []
-    for bits in (8, 4):
-        for M, K, N in [(1, 77, 33), (5, 64 + 13, 100), (33, 256, 17), (70, 96, 40)]:
-            x = _rows(M, K, torch.bfloat16, gen, "strided")
-            cases.append((x, quantize_linear_weight(_weight(N, K, gen), bits), N))
-    torch.save(cases, tmp_path / "in.pt")
-    env = {**os.environ, "MLAFX_DISABLE_AVX512": "1"}
-    args = [sys.executable, "-c", _PORTABLE_PROBE, str(tmp_path / "in.pt"), str(tmp_path / "o.pt")]
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _run_probe(tmp_path, name, **env_vars):
+    """quant_cpu_isa() and the outputs of the cases saved in tmp_path/in.pt, in a child
+    process whose ISA variables are exactly env_vars (none set: the best path this CPU has)."""
+    env = {k: v for k, v in os.environ.items() if k not in _ISA_ENV} | env_vars
+    args = [sys.executable, "-c", _PROBE, str(tmp_path / "in.pt"), str(tmp_path / f"{name}.pt")]
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    portable = torch.load(tmp_path / "o.pt")
-    for (x, packed, n), expected in zip(cases, portable, strict=True):
+    return torch.load(tmp_path / f"{name}.pt")
+
+
+def _moe_case(T, D, inter, E, k, bits, gen):
+    x = _rows(T, D, torch.bfloat16, gen, "strided")
+    ids = torch.randint(0, E, (T, k), generator=gen)
+    weights = torch.rand(T, k, generator=gen)
+    w13 = quantize_experts(torch.randn(E, 2 * inter, D, generator=gen) / D**0.5, bits)
+    w2 = quantize_experts(torch.randn(E, D, inter, generator=gen) / inter**0.5, bits)
+    return x, ids, weights, w13, w2, inter
+
+
+def test_best_path_is_bit_identical_to_portable(tmp_path):
+    """The best kernel this CPU has (AVX-512 VNNI or AVX2; a child with no ISA variables)
+    against the portable one (MLAFX_DISABLE_AVX512=1): equal bit for bit, and within the
+    fp64 bound. Shapes cover every row-tile remainder (M mod 4), one row, prefill-sized M,
+    odd K, N not a multiple of 16, several weight chunks (K = 2048), strided rows."""
+    gen = torch.Generator().manual_seed(3)
+    linear_cases = []
+    shapes = [(1, 77, 33), (5, 64 + 13, 100), (6, 33, 17), (7, 96, 40), (8, 256, 17)]
+    shapes += [(33, 256, 17), (1, 2048, 200), (8, 2048 + 13, 70), (1030, 96 + 5, 40)]
+    for bits in (8, 4):
+        for M, K, N in shapes:
+            x = _rows(M, K, torch.bfloat16, gen, "strided")
+            linear_cases.append((x, quantize_linear_weight(_weight(N, K, gen), bits), N))
+    # moe: the streaming path (few pairs per expert) and the per-expert GEMM path (> 16)
+    moe_cases = [_moe_case(T, 64 + 13, 21, 3, 2, bits, gen) for bits in (8, 4) for T in (3, 40)]
+    torch.save((linear_cases, moe_cases), tmp_path / "in.pt")
+    isa, best, best_moe = _run_probe(tmp_path, "best")
+    portable_isa, portable, portable_moe = _run_probe(
+        tmp_path, "portable", MLAFX_DISABLE_AVX512="1"
+    )
+    assert portable_isa == "portable"
+    flags = _cpu_flags()
+    if {"avx2", "fma", "f16c"} <= flags:
+        assert isa in ("avx2", "avx512_vnni"), isa
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"} <= flags:
+        assert isa == "avx512_vnni", isa
+    for (x, packed, n), out, expected in zip(linear_cases, best, portable, strict=True):
+        assert torch.equal(out, expected), (isa, tuple(x.shape), n, qf.bits_of(packed))
+        _assert_within_bound(out, x, packed, n)
+    for args, out, expected in zip(moe_cases, best_moe, portable_moe, strict=True):
+        assert torch.equal(out, expected), (isa, tuple(args[0].shape))
+        reference = moe_experts_quantized_f64(*args)
+        scale = max(reference.abs().max().item(), 1e-6)
+        torch.testing.assert_close(out.double(), reference, atol=2e-2 * scale, rtol=2e-2)
+    # and the in-process kernel (whatever this process's environment chose) agrees too
+    for (x, packed, n), expected in zip(linear_cases[:4], portable, strict=False):
         assert torch.equal(linear_quantized(x, packed, n), expected), quant_cpu_isa()
+
+
+def test_disable_avx2_leaves_no_avx2(tmp_path):
+    torch.save(([], []), tmp_path / "in.pt")
+    isa, _, _ = _run_probe(tmp_path, "no_avx2", MLAFX_DISABLE_AVX2="1")
+    assert isa in ("avx512_vnni", "portable")

@@ -118,8 +118,9 @@ def moe_experts_quantized(
 
 
 def quant_cpu_isa() -> str:
-    """``"avx512_vnni"`` or ``"portable"``: the kernel the quantized ops take in this process
-    (``MLAFX_DISABLE_AVX512=1`` forces the portable one)."""
+    """``"avx512_vnni"``, ``"avx2"`` or ``"portable"``: the kernel the quantized ops take in
+    this process (``MLAFX_DISABLE_AVX512=1`` forces the portable one, ``MLAFX_DISABLE_AVX2=1``
+    the AVX2 tier off alone). All three give bit-identical results."""
     return torch.ops.mlafx.quant_cpu_isa()
 
 

@@ -75,6 +75,39 @@ bool use_avx512_vnni() {
   return use;
 }
 
+bool avx2_disabled_by_env() { return env_flag("MLAFX_DISABLE_AVX2"); }
+
+bool cpu_supports_avx2() {
+#if defined(__x86_64__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) {
+    return false;
+  }
+  const bool fma = (ecx >> 12) & 1u;
+  const bool osxsave = (ecx >> 27) & 1u;
+  const bool avx = (ecx >> 28) & 1u;
+  const bool f16c = (ecx >> 29) & 1u;
+  if (!fma || !osxsave || !avx || !f16c) {
+    return false;
+  }
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0 || ((ebx >> 5) & 1u) == 0) {
+    return false;  // no AVX2
+  }
+  // XCR0 bits 1 (SSE) and 2 (AVX): the OS saves the xmm and ymm state. Inline asm, since the
+  // _xgetbv intrinsic needs -mxsave, which this portable source must not be compiled with.
+  unsigned xcr0_low = 0, xcr0_high = 0;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+  return (xcr0_low & 0x6u) == 0x6u;
+#else
+  return false;
+#endif
+}
+
+bool use_avx2() {
+  static const bool use = cpu_supports_avx2() && !avx512_disabled_by_env() && !avx2_disabled_by_env();
+  return use;
+}
+
 bool use_amx_bf16() {
   static const bool use = use_avx512_bf16() && !amx_disabled_by_env() && cpu_supports_amx_bf16();
   return use;

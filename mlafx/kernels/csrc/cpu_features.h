@@ -1,9 +1,10 @@
 // Run-time CPU feature dispatch, shared by every op family.
 //
 // The library is built once and must load on any x86-64 CPU: `*_avx512.cpp` sources are
-// compiled with AVX-512 flags (see setup.py) and may only be *called* when this says so.
-// Their code lives in namespace mlafx::avx512 and is declared in ATen-free headers;
-// tests/test_kernel_extension.py fails if any other function in the .so uses AVX/AVX-512.
+// compiled with AVX-512 flags, `*_avx2.cpp` with AVX2 flags (see setup.py), and may only be
+// *called* when this says so. Their code lives in namespaces mlafx::avx512 / mlafx::avx2 and
+// is declared in ATen-free headers; tests/test_kernel_extension.py fails if any other
+// function in the .so uses AVX/AVX-512.
 #pragma once
 
 namespace mlafx {
@@ -25,6 +26,18 @@ bool cpu_supports_avx512_vnni();
 
 // cpu_supports_avx512_vnni() and not avx512_disabled_by_env(); computed once per process.
 bool use_avx512_vnni();
+
+// True iff the CPU has AVX2 + FMA + F16C and the OS saves the ymm state (XGETBV): the
+// quantized kernels' AVX2 path (`*_avx2.cpp`, namespace mlafx::avx2).
+bool cpu_supports_avx2();
+
+// True iff MLAFX_DISABLE_AVX2 is set (non-empty, not "0"): forces the AVX2 tier off alone.
+bool avx2_disabled_by_env();
+
+// cpu_supports_avx2() and neither MLAFX_DISABLE_AVX512 (which keeps meaning "the portable
+// path" for every op) nor MLAFX_DISABLE_AVX2 set; computed once per process. The
+// `*_avx2.cpp` functions may only be called when this is true.
+bool use_avx2();
 
 // True iff the CPU has AMX-TILE + AMX-BF16 and Linux granted this process the tile state
 // (arch_prctl ARCH_REQ_XCOMP_PERM; without it the first tile instruction raises SIGILL).

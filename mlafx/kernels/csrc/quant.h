@@ -37,7 +37,8 @@ struct QuantRows {
 
 // out[m * ldo + 16 * (b - block_begin) + i] = sum_g d_w[16b+i, g] * d_x[m, g] * isum(m, b, i, g)
 // for m < M, block_begin <= b < block_end, i < 16, summed in fp32 in group order; packed is
-// uint8 [NB, G, S]. The AVX-512 VNNI kernel when use_avx512_vnni(), else the portable one.
+// uint8 [NB, G, S]. The AVX-512 VNNI kernel when use_avx512_vnni(), else the AVX2 one when
+// use_avx2(), else the portable one; all three give bit-identical results.
 // Single-threaded: callers give each thread its own range of blocks.
 void quant_dot(int bits, const QuantRows& x, int64_t M, const uint8_t* packed, int64_t groups,
                int64_t block_begin, int64_t block_end, float* out, int64_t ldo);
@@ -52,3 +53,12 @@ void quant_dot_vnni(int bits, const QuantRows& x, int64_t M, const uint8_t* pack
                     int64_t ldo);
 
 }  // namespace mlafx::avx512
+
+namespace mlafx::avx2 {
+
+// The contract of quant_dot (quant_dot_avx2.cpp); call only when mlafx::use_avx2().
+void quant_dot_avx2(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
+                    int64_t groups, int64_t block_begin, int64_t block_end, float* out,
+                    int64_t ldo);
+
+}  // namespace mlafx::avx2

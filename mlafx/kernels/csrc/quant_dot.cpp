@@ -1,5 +1,5 @@
 // The quantized products' shared pieces: activation quantization, the portable integer-dot
-// kernel, and the run-time choice between it and the AVX-512 VNNI kernel (quant.h).
+// kernel, and the run-time choice between it, the AVX-512 VNNI and the AVX2 kernel (quant.h).
 //
 // The portable kernel is the reference the AVX-512 one specialises: per block and group it
 // unpacks the 16 x 32 weights once to signed int16 (z removed), then for every row of x
@@ -228,6 +228,8 @@ void quant_dot(int bits, const QuantRows& x, int64_t M, const uint8_t* packed, i
                int64_t block_begin, int64_t block_end, float* out, int64_t ldo) {
   if (use_avx512_vnni()) {
     avx512::quant_dot_vnni(bits, x, M, packed, groups, block_begin, block_end, out, ldo);
+  } else if (use_avx2()) {
+    avx2::quant_dot_avx2(bits, x, M, packed, groups, block_begin, block_end, out, ldo);
   } else if (bits == 8) {
     quant_dot_portable<8>(x, M, packed, groups, block_begin, block_end, out, ldo);
   } else {
@@ -238,7 +240,11 @@ void quant_dot(int bits, const QuantRows& x, int64_t M, const uint8_t* packed, i
 }  // namespace mlafx
 
 TORCH_LIBRARY_FRAGMENT(mlafx, m) {
-  // Which kernel the quantized ops take in this process: "avx512_vnni" or "portable".
-  m.def("quant_cpu_isa() -> str",
-        [] { return std::string(mlafx::use_avx512_vnni() ? "avx512_vnni" : "portable"); });
+  // Which kernel the quantized ops take in this process: "avx512_vnni", "avx2" or "portable".
+  m.def("quant_cpu_isa() -> str", [] {
+    if (mlafx::use_avx512_vnni()) {
+      return std::string("avx512_vnni");
+    }
+    return std::string(mlafx::use_avx2() ? "avx2" : "portable");
+  });
 }
