@@ -250,10 +250,12 @@ def test_quantize_rejects_bad_inputs():
 _PROBE = """
 import sys, torch
 from mlafx.kernels import linear_quantized, moe_experts_quantized, quant_cpu_isa
-linear_cases, moe_cases = torch.load(sys.argv[1])
+from mlafx.kernels import quantize_linear_weight
+linear_cases, moe_cases, weight_cases = torch.load(sys.argv[1])
 out = [linear_quantized(x, packed, n) for x, packed, n in linear_cases]
 moe = [moe_experts_quantized(*args) for args in moe_cases]
-torch.save((quant_cpu_isa(), out, moe), sys.argv[2])
+packed = [quantize_linear_weight(w, bits) for w, bits in weight_cases]
+torch.save((quant_cpu_isa(), out, moe, packed), sys.argv[2])
 """
 _ISA_ENV = ("MLAFX_DISABLE_AVX512", "MLAFX_DISABLE_AVX2")
 
@@ -291,8 +293,9 @@ def _moe_case(T, D, inter, E, k, bits, gen):
 def test_best_path_is_bit_identical_to_portable(tmp_path):
     """The best kernel this CPU has (AVX-512 VNNI or AVX2; a child with no ISA variables)
     against the portable one (MLAFX_DISABLE_AVX512=1): equal bit for bit, and within the
-    fp64 bound. Shapes cover every row-tile remainder (M mod 4), one row, prefill-sized M,
-    odd K, N not a multiple of 16, several weight chunks (K = 2048), strided rows."""
+    fp64 bound; the weight quantizer's packed bytes too. Shapes cover every row-tile
+    remainder (M mod 4), one row, prefill-sized M, odd K, N not a multiple of 16, several
+    weight chunks (K = 2048), strided rows."""
     gen = torch.Generator().manual_seed(3)
     linear_cases = []
     shapes = [(1, 77, 33), (5, 64 + 13, 100), (6, 33, 17), (7, 96, 40), (8, 256, 17)]
@@ -303,9 +306,15 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
             linear_cases.append((x, quantize_linear_weight(_weight(N, K, gen), bits), N))
     # moe: the streaming path (few pairs per expert) and the per-expert GEMM path (> 16)
     moe_cases = [_moe_case(T, 64 + 13, 21, 3, 2, bits, gen) for bits in (8, 4) for T in (3, 40)]
-    torch.save((linear_cases, moe_cases), tmp_path / "in.pt")
-    isa, best, best_moe = _run_probe(tmp_path, "best")
-    portable_isa, portable, portable_moe = _run_probe(
+    # the weight quantizer (AVX2: 8 groups per vector), odd K and a zero-padded last block
+    weight_cases = [
+        (_weight(N, K, gen, dtype), bits)
+        for bits in (8, 4)
+        for N, K, dtype in [(33, 77, torch.float32), (200, 2048 + 13, torch.bfloat16)]
+    ]
+    torch.save((linear_cases, moe_cases, weight_cases), tmp_path / "in.pt")
+    isa, best, best_moe, best_packed = _run_probe(tmp_path, "best")
+    portable_isa, portable, portable_moe, portable_packed = _run_probe(
         tmp_path, "portable", MLAFX_DISABLE_AVX512="1"
     )
     assert portable_isa == "portable"
@@ -322,12 +331,16 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
         reference = moe_experts_quantized_f64(*args)
         scale = max(reference.abs().max().item(), 1e-6)
         torch.testing.assert_close(out.double(), reference, atol=2e-2 * scale, rtol=2e-2)
+    for (weight, bits), ours, expected in zip(
+        weight_cases, best_packed, portable_packed, strict=True
+    ):
+        assert torch.equal(ours, expected), (isa, tuple(weight.shape), bits)
     # and the in-process kernel (whatever this process's environment chose) agrees too
     for (x, packed, n), expected in zip(linear_cases[:4], portable, strict=False):
         assert torch.equal(linear_quantized(x, packed, n), expected), quant_cpu_isa()
 
 
 def test_disable_avx2_leaves_no_avx2(tmp_path):
-    torch.save(([], []), tmp_path / "in.pt")
-    isa, _, _ = _run_probe(tmp_path, "no_avx2", MLAFX_DISABLE_AVX2="1")
+    torch.save(([], [], []), tmp_path / "in.pt")
+    isa, *_ = _run_probe(tmp_path, "no_avx2", MLAFX_DISABLE_AVX2="1")
     assert isa in ("avx512_vnni", "portable")

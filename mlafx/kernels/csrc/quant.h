@@ -61,4 +61,10 @@ void quant_dot_avx2(int bits, const QuantRows& x, int64_t M, const uint8_t* pack
                     int64_t groups, int64_t block_begin, int64_t block_end, float* out,
                     int64_t ldo);
 
+// The weight quantizer's step (quant_weight.cpp, quant_weight_avx2.cpp) for 8 groups of 32
+// fp32 weights, transposed: w_t[8 * k + l] is group l's column k. Writes q[32 * l + k] (int8:
+// the signed quant; int4: q + 8 in [0, 15]) and the 8 fp16 scales' bits, bit-identical to the
+// portable quantize_group_int8 / _int4. Call only when mlafx::use_avx2().
+void quantize_groups8(int bits, const float* w_t, int8_t* q, uint16_t* scale_bits);
+
 }  // namespace mlafx::avx2

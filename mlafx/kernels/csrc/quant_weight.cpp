@@ -20,6 +20,8 @@
 //   16-lane AVX-512 adds in another order: there a near-tie between two candidates (errors
 //   within an ulp) may resolve differently; either choice has the same error to an ulp.
 // This object is compiled without FMA (setup.py's portable flags), so nothing is contracted.
+// When use_avx2(), the per-group step runs 8 groups at a time in quant_weight_avx2.cpp, with
+// the same per-element operations in the same order (bit-identical).
 // Weights are assumed finite (NaN or inf weights give some packed value, not a contract).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -29,11 +31,13 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_features.h"
 #include "gemm_aten.h"
 #include "quant.h"
 
@@ -170,11 +174,33 @@ void quantize_blocks(const scalar_t* w, int64_t ldw, int64_t N, int64_t K, int b
   const int64_t S = quant_group_bytes(bits);
   float values[kGroup];
   int8_t q[kGroup];
+  const bool vector = use_avx2();
+  alignas(32) float values_t[kGroup * 8];
+  int8_t q8[kGroup * 8];
+  uint16_t scales8[8];
   for (int64_t b = b0; b < b1; ++b) {
     uint8_t* block = packed + b * groups * S;
     for (int i = 0; i < kRows; ++i) {
       const int64_t n = b * kRows + i;
       const scalar_t* row = w + n * ldw;
+      if (vector) {
+        // 8 groups of the row at a time, transposed (lane l = group g0 + l; zeros past K)
+        for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+          for (int l = 0; l < 8; ++l) {
+            const int64_t k0 = (g0 + l) * kGroup;
+            const int64_t width = n < N ? std::clamp<int64_t>(K - k0, 0, kGroup) : 0;
+            for (int k = 0; k < kGroup; ++k) {
+              values_t[8 * k + l] = k < width ? static_cast<float>(row[k0 + k]) : 0.0f;
+            }
+          }
+          avx2::quantize_groups8(bits, values_t, q8, scales8);
+          const int count = static_cast<int>(std::min<int64_t>(8, groups - g0));
+          for (int l = 0; l < count; ++l) {
+            store_group(bits, i, q8 + kGroup * l, scales8[l], block + (g0 + l) * S);
+          }
+        }
+        continue;
+      }
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t k0 = g * kGroup;
         const int64_t width = n < N ? std::min<int64_t>(kGroup, K - k0) : 0;
