@@ -64,7 +64,9 @@ bool cpu_supports_avx512_vnni() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-         __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
+         // the AVX-512 objects are built with -mavx512dq too: GCC may use DQ in them
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("fma");
 #else
   return false;
 #endif
