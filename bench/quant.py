@@ -7,7 +7,7 @@ accuracy  DeepSeek-V2-Lite at its real widths (``--layers`` layers, ``--experts`
           experts, bf16, dummy weights), on two weight sets: ``random`` (the dummy draws: nearly
           flat, easy) and ``structured`` (as trained LLMs have: log-normal row scales, 1% of
           input channels 8-16x larger, 0.1% of weights 8x outliers, and a few hidden channels
-          whose norm weights are 20x, which gives activations outlier channels). Per format:
+          whose norm weights are 8x, which gives activations outlier channels). Per format:
           the weights' bytes, the mean KL divergence KL(bf16 || format) of the next-token
           distributions over every position of ``--prompts`` fixed random prompts of
           ``--prompt-len`` tokens (teacher-forced, one prefill each), and top-1 agreement.
@@ -70,7 +70,7 @@ def structure_weights(model: torch.nn.Module, seed: int = 0) -> None:
         for layer in model.model.layers:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 channels = torch.randperm(norm.weight.numel(), generator=g)[:4]
-                norm.weight[channels] = 20.0
+                norm.weight[channels] = 8.0
 
 
 def ggml_quantize(weight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -99,8 +99,19 @@ def quantized_copy(cfg, weights: str, fmt: str):
     ours = {"q8_0": "int8", "q4_0": "int4"}.get(fmt, fmt)
     quantizer = quantized.Quantizer(model, ours)
     original = quantized.quantize_weight
-    if fmt.startswith("q"):
-        quantized.quantize_weight = ggml_quantize
+    quantize = ggml_quantize if fmt.startswith("q") else original
+    errors = model.weight_errors = [0.0, 0.0]  # sum of squared errors, of squared weights
+
+    def measured(weight: torch.Tensor, bits: int) -> torch.Tensor:
+        from mlafx.kernels.quant_format import dequantize_weight
+
+        packed = quantize(weight, bits)
+        w = weight.float()
+        errors[0] += float((dequantize_weight(packed, *w.shape) - w).pow(2).sum())
+        errors[1] += float(w.pow(2).sum())
+        return packed
+
+    quantized.quantize_weight = measured
     try:
         for name, tensor in list(model.state_dict(keep_vars=True).items()):
             quantizer.finish([name], tensor)
@@ -163,6 +174,7 @@ def accuracy(args) -> list[dict]:
                     "weights": weights,
                     "format": fmt,
                     "bytes": model_bytes(model),
+                    "weight_rel_rmse": (model.weight_errors[0] / model.weight_errors[1]) ** 0.5,
                     "mean_kl": kl / total,
                     "top1": agree / total,
                     "build_s": seconds,
@@ -245,11 +257,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"loadavg {Path('/proc/loadavg').read_text().split()[:3]}", file=sys.stderr)
     report = {"accuracy": accuracy(args), "speed": speed(args) if args.speed else []}
-    print(f"\n{'weights':<11}{'format':<7}{'MiB':>9}{'mean KL':>11}{'top-1':>8}")
+    print(f"\n{'weights':<11}{'format':<7}{'MiB':>9}{'weight RMSE':>12}{'mean KL':>11}{'top-1':>8}")
     for row in report["accuracy"]:
         kl = f"{row['mean_kl']:.2e}" if "mean_kl" in row else "-"
         top1 = f"{100 * row['top1']:.1f}%" if "top1" in row else "-"
-        print(f"{row['weights']:<11}{row['format']:<7}{row['bytes'] / 2**20:9.0f}{kl:>11}{top1:>8}")
+        rmse = f"{row['weight_rel_rmse']:.2e}" if "weight_rel_rmse" in row else "-"
+        name = f"{row['weights']:<11}{row['format']:<7}{row['bytes'] / 2**20:9.0f}"
+        print(f"{name}{rmse:>12}{kl:>11}{top1:>8}")
     if report["speed"]:
         print(
             f"\n{'format':<7}{'decode b1 ms':>13}{'b8 ms':>8}{'prefill 1024 s':>15}{'peak GiB':>9}"
