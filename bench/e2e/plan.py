@@ -95,7 +95,7 @@ QUANTIZED = Plan(
     model="full",
     target=(8, 1024),
     grids={"mlafx": Grid(prefill=((1, 1024),), decode=((1, 1024), (8, 1024)))},
-    repeats=5,
+    repeats=2,  # a prefill of 1024 tokens over 27 layers takes minutes on the portable kernels
     baseline_repeats=0,
     workload=MixedWorkload(num_requests=4, prompt_lens=(64, 256), max_tokens=8),
     prefix_prompt_len=300,
