@@ -79,10 +79,13 @@ def measure_grid(
                 run = getattr(engine, phase)(batch, length)
                 # the matmul rate moves over seconds: prefill timings are bracketed by it
                 bracket = phase == "prefill" and plan is not QUANTIZED
-                before = roofline_mod.matmul_gflops(torch.bfloat16) if bracket else 0
+                # --quick: the quick roofline's size (a 2048^3 bf16 product takes ~10 s on a
+                # CPU without native bf16, and every prefill row is bracketed twice)
+                size = 512 if plan is QUICK else 2048
+                before = roofline_mod.matmul_gflops(torch.bfloat16, size=size) if bracket else 0
                 timing = time_calls(run, repeats=repeats)
                 if bracket:
-                    after = roofline_mod.matmul_gflops(torch.bfloat16)
+                    after = roofline_mod.matmul_gflops(torch.bfloat16, size=size)
                     row["matmul_gflops_around"] = (before + after) / 2
             except Exception as e:  # noqa: BLE001 -- reported, not fatal
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
