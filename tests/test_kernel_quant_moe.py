@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlafx.kernels import moe_experts_quantized
-from mlafx.kernels import quant_format as qf
 from mlafx.kernels.quant_ops import quantize_experts
 from mlafx.kernels.quant_reference import moe_experts_quantized_f64
+from mlafx.models.quantized import moe_experts_quantized_reference
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
@@ -49,7 +49,7 @@ def _assert_close(out, args, dtype):
     tol = TOLERANCE[dtype]
     scale = max(expected.abs().max().item(), 1e-6)
     torch.testing.assert_close(out.double(), expected, atol=tol * scale, rtol=tol)
-    eager = qf.moe_experts_quantized_reference(*args)
+    eager = moe_experts_quantized_reference(*args)
     torch.testing.assert_close(out.double(), eager.double(), atol=tol * scale, rtol=tol)
 
 

@@ -42,7 +42,6 @@ Weight quantizers (``quantize_weight``, also in C++ as ``mlafx::quantize_linear_
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 GROUP = 32  # columns per scale
 BLOCK_ROWS = 16  # rows per block (the 16 lanes of a 512-bit register of int32)
@@ -254,33 +253,3 @@ def linear_quantized_reference(
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out_features)
-
-
-def moe_experts_quantized_reference(
-    x: torch.Tensor,  # [T, D]
-    topk_ids: torch.Tensor,  # [T, k] int64
-    topk_weights: torch.Tensor,  # [T, k] float32
-    w13: torch.Tensor,  # [E, ceil(2I/16), ceil(D/32), S] uint8: gate rows, then up rows
-    w2: torch.Tensor,  # [E, ceil(D/16), ceil(I/32), S] uint8
-    intermediate_size: int,  # I
-) -> torch.Tensor:
-    """Routed experts over quantized weights -> [T, D] in x's dtype, grouped by expert as
-    ``models.moe.routed_experts_reference``, each linear :func:`linear_quantized_reference`:
-    ``[g | u] = x @ W13^T`` (rounded to x's dtype), ``h = silu(g) * u`` in x's dtype,
-    ``y = h @ W2^T`` (x's dtype), then ``sum_j topk_weights * y`` in float32, rounded once."""
-    num_experts, k = w13.shape[0], topk_ids.shape[1]
-    flat_ids = topk_ids.reshape(-1)
-    if flat_ids.numel() and not (0 <= int(flat_ids.min()) and int(flat_ids.max()) < num_experts):
-        raise IndexError(f"topk_ids out of range for {num_experts} experts")
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    flat_weights = topk_weights.reshape(-1, 1)
-    pair_out = torch.zeros(flat_ids.shape[0], x.shape[1], dtype=torch.float32)
-    for expert, pairs in enumerate(torch.split(order, counts)):
-        if pairs.numel() == 0:
-            continue
-        gate_up = linear_quantized_reference(x[pairs // k], w13[expert], 2 * intermediate_size)
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = linear_quantized_reference(F.silu(gate) * up, w2[expert], x.shape[1])
-        pair_out.index_copy_(0, pairs, y.to(torch.float32) * flat_weights[pairs])
-    return pair_out.view(-1, k, x.shape[1]).sum(1).to(x.dtype)

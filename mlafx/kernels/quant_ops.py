@@ -108,7 +108,7 @@ def moe_experts_quantized(
     intermediate_size: int,  # I
 ) -> torch.Tensor:
     """Routed experts over quantized weights -> [T, D] in x's dtype
-    (``quant_format.moe_experts_quantized_reference``): per token
+    (``models.quantized.moe_experts_quantized_reference``): per token
     ``sum_j topk_weights[t, j] * (silu(g) * u) @ W2[e]^T``, ``[g | u] = x[t] @ W13[e]^T``,
     each product W8A8 and rounded to x's dtype, the k terms summed in fp32. An id outside
     ``[0, E)`` raises ``IndexError``."""

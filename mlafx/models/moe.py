@@ -14,6 +14,8 @@ plus the always-on shared experts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,7 +94,24 @@ def routed_experts_reference(
     Eager, grouped by expert: each expert's weights are read once per call. The grouping
     is data-dependent (the compiler lowers this block to the ``moe_experts`` op).
     """
-    num_experts, k = w13.shape[0], topk_ids.shape[1]
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, w13[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w2[expert])
+
+    return grouped_by_expert(x, topk_ids, topk_weights, w13.shape[0], expert_mlp)
+
+
+def grouped_by_expert(
+    x: torch.Tensor,  # [T, D]
+    topk_ids: torch.Tensor,  # [T, k]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    num_experts: int,
+    expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],  # (e, rows [n, D]) -> [n, D]
+) -> torch.Tensor:
+    """``sum_j topk_weights[t, j] * expert_mlp(topk_ids[t, j], x[t])`` -> [T, D] in x's
+    dtype, each expert run once on all the rows that picked it, the k terms summed in fp32."""
+    k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
@@ -103,8 +122,7 @@ def routed_experts_reference(
     for expert, pairs in enumerate(torch.split(order, counts)):
         if pairs.numel() == 0:
             continue
-        gate, up = F.linear(x[pairs // k], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        y = expert_mlp(expert, x[pairs // k])
         pair_out.index_copy_(0, pairs, y.to(torch.float32) * flat_weights[pairs])
     return pair_out.view(-1, k, x.shape[1]).sum(1).to(x.dtype)
 

@@ -25,15 +25,11 @@ import logging
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from mlafx.kernels.quant_format import (
-    BITS,
-    linear_quantized_reference,
-    moe_experts_quantized_reference,
-    packed_shape,
-)
-from mlafx.models.moe import RoutedExperts
+from mlafx.kernels.quant_format import BITS, linear_quantized_reference, packed_shape
+from mlafx.models.moe import RoutedExperts, grouped_by_expert
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +84,33 @@ class QuantizedExperts(nn.Module):
             x, topk_ids, topk_weights, self.gate_up_qweight, self.down_qweight,
             self.intermediate_size,
         )  # fmt: skip
+
+
+def moe_experts_quantized_reference(
+    x: torch.Tensor,  # [T, D]
+    topk_ids: torch.Tensor,  # [T, k] int64
+    topk_weights: torch.Tensor,  # [T, k] float32
+    w13: torch.Tensor,  # [E, ceil(2I/16), ceil(D/32), S] uint8: gate rows, then up rows
+    w2: torch.Tensor,  # [E, ceil(D/16), ceil(I/32), S] uint8
+    intermediate_size: int,  # I
+) -> torch.Tensor:
+    """Routed experts over quantized weights -> [T, D] in x's dtype (the semantics of
+    ``mlafx::moe_experts_quantized``), grouped by expert as ``moe.routed_experts_reference``,
+    each linear ``linear_quantized_reference``: ``[g | u] = x @ W13^T`` (rounded to x's
+    dtype), ``h = silu(g) * u`` in x's dtype, ``y = h @ W2^T`` (x's dtype), then
+    ``sum_j topk_weights * y`` in float32, rounded once. An id outside ``[0, E)`` raises
+    ``IndexError``."""
+    num_experts = w13.shape[0]
+    flat_ids = topk_ids.reshape(-1)
+    if flat_ids.numel() and not (0 <= int(flat_ids.min()) and int(flat_ids.max()) < num_experts):
+        raise IndexError(f"topk_ids out of range for {num_experts} experts")
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = linear_quantized_reference(rows, w13[expert], 2 * intermediate_size)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return linear_quantized_reference(F.silu(gate) * up, w2[expert], x.shape[1])
+
+    return grouped_by_expert(x, topk_ids, topk_weights, num_experts, expert_mlp)
 
 
 def quantization_targets(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
