@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import logging
 import os
 import struct
@@ -18,15 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 import mlafx
-from mlafx.config import PRESETS, ModelConfig
 from mlafx.models import weights
 from mlafx.models.loader import build_model
 from tests.test_weights import _load, _save_fused, _v2, _v3, _zeroed_like
-from tests.tiny_models import TINY_OVERRIDES
+from tests.tiny_models import TINY_OVERRIDES, write_tiny_checkpoint
 
 
 def _file_mappings(file: Path) -> list[tuple[int, int, str]]:
@@ -175,26 +172,9 @@ def test_a_replaced_weight_is_unmapped(tmp_path: Path) -> None:
     assert _file_mappings(file) == []
 
 
-def _write_mlafx_checkpoint(directory: Path, dtype: str, **overrides: object) -> ModelConfig:
-    """The tiny preset's dummy weights (seed 0) as a fused checkpoint with its config.json."""
-    hf = {**PRESETS["deepseek-v2-lite"], **TINY_OVERRIDES, **overrides}
-    cfg = ModelConfig.from_hf_dict(hf)
-    model = build_model(cfg, dtype, "dummy", seed=0)
-    directory.mkdir(exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    stored: set[int] = set()
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() not in stored:  # a tied lm_head is stored once
-            stored.add(tensor.data_ptr())
-            tensors[name] = tensor
-    save_file(tensors, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(hf))
-    return cfg
-
-
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_build_model_maps_every_tensor_of_its_own_dtype(tmp_path: Path, tie: bool) -> None:
-    cfg = _write_mlafx_checkpoint(tmp_path, "bfloat16", tie_word_embeddings=tie)
+    cfg = write_tiny_checkpoint(tmp_path, "bfloat16", tie_word_embeddings=tie)
     model = build_model(cfg, "bfloat16", "auto", tmp_path, progress=False)
     file = tmp_path / "model.safetensors"
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
@@ -216,7 +196,7 @@ def test_engine_on_a_mapped_checkpoint_generates_as_on_the_same_weights_in_memor
 ) -> None:
     """The compiled step reads the mapped weights too (AOTInductor constants, user-managed:
     pointers into the mappings, aligned to their element size, not to 64 bytes as allocations)."""
-    _write_mlafx_checkpoint(tmp_path, dtype)
+    write_tiny_checkpoint(tmp_path, dtype)
     options = dict(dtype=dtype, block_size=4, num_kv_blocks=64, progress=False, compile=compiled)
     mapped = mlafx.LLM(str(tmp_path), **options)
     in_memory = mlafx.LLM(

@@ -4,24 +4,20 @@ reference path over the same quantized weights."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from mlafx.compile.compiled_step import lower_layer
 from mlafx.compile.layer_kinds import layer_kinds
-from mlafx.config import PRESETS, ModelConfig, weight_bytes
+from mlafx.config import ModelConfig, weight_bytes
 from mlafx.config.memory import check_fits_in_memory
 from mlafx.config.model_config import ConfigError
 from mlafx.kernels.quant_format import dequantize_weight, packed_shape, quantize_weight_ref
 from mlafx.models.loader import build_model
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear, Quantizer
 from tests.engine_compare import assert_same_greedy, greedy_params, random_prompts, reference_alone
-from tests.tiny_models import TINY_OVERRIDES, tiny_llm
+from tests.tiny_models import TINY_OVERRIDES, tiny_llm, write_tiny_checkpoint
 
 BITS = {"int8": 8, "int4": 4}
 # one layer kind (MoE, whose shared experts are a SwiGLU): one package to compile per format
@@ -60,25 +56,9 @@ def test_every_linear_but_kv_b_and_every_expert_stack_is_quantized(quantization)
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router stays
 
 
-def _write_fused_checkpoint(path: Path, **overrides: object) -> ModelConfig:
-    """The tiny preset's dummy weights (seed 3), fused, with its config.json."""
-    hf = {**PRESETS["deepseek-v2-lite"], **TINY_OVERRIDES, **overrides}
-    cfg = ModelConfig.from_hf_dict(hf)
-    model = build_model(cfg, "bfloat16", "dummy", seed=3, progress=False)
-    path.mkdir()
-    tensors, stored = {}, set()
-    for name, tensor in model.state_dict().items():
-        if tensor.data_ptr() not in stored:  # a tied lm_head is stored once
-            stored.add(tensor.data_ptr())
-            tensors[name] = tensor
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(hf))
-    return cfg
-
-
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_quantize_on_load_from_a_checkpoint_equals_quantizing_the_loaded_model(tmp_path, tie):
-    cfg = _write_fused_checkpoint(tmp_path / "ckpt", tie_word_embeddings=tie)
+    cfg = write_tiny_checkpoint(tmp_path / "ckpt", "bfloat16", seed=3, tie_word_embeddings=tie)
     loaded = build_model(cfg, "bfloat16", "auto", tmp_path / "ckpt", quantization="int4",
                          progress=False)  # fmt: skip
     assert isinstance(loaded.lm_head, QuantizedLinear)  # tied or not; the embedding stays

@@ -1,10 +1,16 @@
-"""Tiny model settings shared by the engine tests (dummy weights: no checkpoint needed)."""
+"""Tiny model settings shared by the engine tests (dummy weights, or a checkpoint of them)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 import mlafx
+from mlafx.config import PRESETS, ModelConfig
+from mlafx.models.loader import build_model
 
 # The DeepSeek-V2-Lite preset shrunk to a few MB; eos 1 is inside the small vocabulary.
 TINY_OVERRIDES = {
@@ -67,3 +73,22 @@ def write_tiny_checkpoint_with_tokenizer(directory: Path) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(directory / "tokenizer.json"))
     return directory
+
+
+def write_tiny_checkpoint(
+    directory: Path, dtype: str, *, seed: int = 0, **overrides: object
+) -> ModelConfig:
+    """The tiny preset's dummy weights (``seed``) as a fused checkpoint with its config.json."""
+    hf = {**PRESETS["deepseek-v2-lite"], **TINY_OVERRIDES, **overrides}
+    cfg = ModelConfig.from_hf_dict(hf)
+    model = build_model(cfg, dtype, "dummy", seed=seed)
+    directory.mkdir(exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    stored: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in stored:  # a tied lm_head is stored once
+            stored.add(tensor.data_ptr())
+            tensors[name] = tensor
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(hf))
+    return cfg
