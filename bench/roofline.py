@@ -2,10 +2,11 @@
 
 - read bandwidth: summing a large fp32 tensor (each byte read once, nothing written back);
 - copy bandwidth: ``dst.copy_(src)`` counted as bytes read + bytes written;
-- bf16 / fp32 matmul rates: square ``torch.mm`` at a size where oneDNN is at its best, the
-  median of three rounds (each a median of repeats) spread over the measurement: on this
-  machine the 2-thread bf16 (AMX) rate moves between about 0.7 and 2 TFLOP/s over seconds
-  (seen in a 12 s loop on 30 Nov 2026), so one round can catch either level.
+- bf16 / fp32 matmul rates: square ``torch.mm`` at a size where oneDNN is at its best.
+Each is the median of three rounds (each a median of repeats) spread over the measurement: on
+one host the 2-thread bf16 (AMX) rate moved between about 0.7 and 2 TFLOP/s over seconds
+(a 12 s loop on 30 Nov 2026), and on another one read round in a few gave 72 GB/s against
+37-44 GB/s in the rest (2 Dec 2026), so one round can catch either level.
 Timings are noisy here: every figure is a median over repeats.
 """
 
@@ -66,24 +67,23 @@ def measure(*, megabytes: int = 512, matmul_size: int = 2048, quick: bool = Fals
         megabytes, matmul_size = 64, 512
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     y = torch.empty_like(x)
-    rounds: dict[torch.dtype, list[float]] = {torch.bfloat16: [], torch.float32: []}
+    rounds: dict[str, list[float]] = {"bf16": [], "fp32": [], "read": [], "copy": []}
 
-    def matmul_round() -> None:
-        for dtype, rates in rounds.items():
-            rates.append(matmul_gflops(dtype, size=matmul_size, repeats=5, warmup=2))
+    def one_round() -> None:
+        rounds["bf16"].append(matmul_gflops(torch.bfloat16, size=matmul_size, repeats=5, warmup=2))
+        rounds["read"].append(x.numel() * 4 / median_seconds(lambda: x.sum()) / 1e9)
+        rounds["fp32"].append(matmul_gflops(torch.float32, size=matmul_size, repeats=5, warmup=2))
+        rounds["copy"].append(2 * x.numel() * 4 / median_seconds(lambda: y.copy_(x)) / 1e9)
 
-    matmul_round()
-    read = x.numel() * 4 / median_seconds(lambda: x.sum()) / 1e9
-    matmul_round()
-    copy = 2 * x.numel() * 4 / median_seconds(lambda: y.copy_(x)) / 1e9
-    matmul_round()
-    rates = {dtype: statistics.median(values) for dtype, values in rounds.items()}
+    for _ in range(3):
+        one_round()
+    rates = {name: statistics.median(values) for name, values in rounds.items()}
     return Roofline(
         threads=torch.get_num_threads(),
-        read_gbps=read,
-        copy_gbps=copy,
-        bf16_matmul_gflops=rates[torch.bfloat16],
-        fp32_matmul_gflops=rates[torch.float32],
+        read_gbps=rates["read"],
+        copy_gbps=rates["copy"],
+        bf16_matmul_gflops=rates["bf16"],
+        fp32_matmul_gflops=rates["fp32"],
     )
 
 

@@ -13,6 +13,7 @@ Row = dict[str, Any]
 
 LABELS = {
     "mlafx": "mlafx compiled",
+    "mlafx_build": "mlafx load + compile",
     "mlafx_reference": "mlafx reference",
     "hf_eager": "transformers eager",
     "hf_compile": "transformers torch.compile",

@@ -19,9 +19,12 @@
 // (MR, MB) = (1, 8), (2, 4), (3, 2), (4, 2). Blocks are walked in chunks of ~256 KB of
 // weights, and every row tile of x runs over a chunk before the next one: with M <= 4 (decode)
 // each weight byte is read once, from memory; with more rows the chunk is re-read from L2 per
-// 4 rows of x (prefill: 4 x 8 x 64 = 2 K MACs per 64-byte L2 line). These choices follow the
-// instruction's latency and register budget; they were NOT measured (the machine this was
-// written on has no AVX-512) and are the first thing to tune on a VNNI machine.
+// 4 rows of x (prefill: 4 x 8 x 64 = 2 K MACs per 64-byte L2 line). Measured on a Zen 5 EPYC
+// (2 Dec 2026, 2 threads, cold weights): one row streams at the read bandwidth; at 8 rows the
+// two passes cost about 2x one row's time (int4 lm_head 2048 -> 102400: 6-7 ms against 3), and
+// one-pass decode tiles of 8 rows (int4, 8 x 2 with the fp32 sums in out) or 6 (int8) did not
+// beat them in an interleaved A/B in one process (int4 8.4 against 7.1 ms, int8 8.0-8.2
+// against 8.9): the memory of this VM moved those figures by up to 2x between processes.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -66,10 +69,13 @@ void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups,
     for (int r = 0; r < MR; ++r) {
       xq[r] = x.q + (m0 + r) * x.ldq + g * kQuantGroup;
     }
+    // Each chain starts at -z * sum(q_x): the group's sum is then exact with no correction
+    // after it.
     __m512i iacc[MB][MR];
-    for (int bb = 0; bb < MB; ++bb) {
-      for (int r = 0; r < MR; ++r) {
-        iacc[bb][r] = _mm512_setzero_si512();
+    for (int r = 0; r < MR; ++r) {
+      const __m512i start = _mm512_set1_epi32(-z * x.qsum[(m0 + r) * x.ldd + g]);
+      for (int bb = 0; bb < MB; ++bb) {
+        iacc[bb][r] = start;
       }
     }
     if constexpr (kBits == 8) {
@@ -104,17 +110,15 @@ void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups,
       }
     }
     __m512 dx[MR];
-    __m512i correction[MR];
     for (int r = 0; r < MR; ++r) {
       dx[r] = _mm512_set1_ps(x.d[(m0 + r) * x.ldd + g]);
-      correction[r] = _mm512_set1_epi32(z * x.qsum[(m0 + r) * x.ldd + g]);
     }
     for (int bb = 0; bb < MB; ++bb) {
       const __m256i scale_bits =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group[bb] + quant_bytes(kBits)));
       const __m512 scales = _mm512_cvtph_ps(scale_bits);
       for (int r = 0; r < MR; ++r) {
-        const __m512 isum = _mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[bb][r], correction[r]));
+        const __m512 isum = _mm512_cvtepi32_ps(iacc[bb][r]);
         const __m512 term = _mm512_mul_round_ps(
             _mm512_mul_round_ps(isum, dx[r], _MM_FROUND_CUR_DIRECTION), scales,
             _MM_FROUND_CUR_DIRECTION);
