@@ -19,12 +19,14 @@
 // (MR, MB) = (1, 8), (2, 4), (3, 2), (4, 2). Blocks are walked in chunks of ~256 KB of
 // weights, and every row tile of x runs over a chunk before the next one: with M <= 4 (decode)
 // each weight byte is read once, from memory; with more rows the chunk is re-read from L2 per
-// 4 rows of x (prefill: 4 x 8 x 64 = 2 K MACs per 64-byte L2 line). Measured on a Zen 5 EPYC
-// (2 Dec 2026, 2 threads, cold weights): one row streams at the read bandwidth; at 8 rows the
-// two passes cost about 2x one row's time (int4 lm_head 2048 -> 102400: 6-7 ms against 3), and
-// one-pass decode tiles of 8 rows (int4, 8 x 2 with the fp32 sums in out) or 6 (int8) did not
-// beat them in an interleaved A/B in one process (int4 8.4 against 7.1 ms, int8 8.0-8.2
-// against 8.9): the memory of this VM moved those figures by up to 2x between processes.
+// 4 rows of x (prefill: 4 x 8 x 64 = 2 K MACs per 64-byte L2 line). With more than one row
+// the first row tile of a chunk prefetches 4 groups ahead. Measured on a Zen 5 EPYC (2 Dec
+// 2026, 2 threads, cold weights, interleaved A/B in one process, ms): lm_head 2048 -> 102400
+// at 8 rows int8 6.6-7.0 with the prefetch against 8.9-9.1 without, int4 4.6-4.8 against
+// 6.2-6.5 (3.0-3.6 at one row); no change at one row or at 1024. One-pass decode tiles of 8
+// rows (int4, 8 x 2 with the fp32 sums in out) or 6 (int8) did not beat two (4, 2) passes
+// (int4 8.4 against 7.1, int8 8.0-8.2 against 8.9, both without prefetch); the memory of this
+// VM moved such figures by up to 2x between processes, hence the A/B in one process.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -40,6 +42,7 @@ namespace mlafx::avx512 {
 namespace {
 
 constexpr int64_t kChunkBytes = int64_t{256} << 10;
+constexpr int64_t kPrefetchGroups = 4;  // how far ahead the first row tile prefetches
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -50,7 +53,7 @@ inline __m512i broadcast4(const int8_t* p) {
 // out rows m0..m0+MR-1, blocks b..b+MB-1 (out column 16 * (b - out_block0)).
 template <int kBits, int MB, int MR>
 void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups, int64_t b,
-          int64_t out_block0, float* out, int64_t ldo) {
+          int64_t out_block0, float* out, int64_t ldo, bool prefetch) {
   constexpr int64_t S = quant_group_bytes(kBits);
   constexpr int32_t z = kBits == 8 ? 128 : 8;
   __m512 facc[MB][MR];
@@ -64,6 +67,14 @@ void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups,
     const uint8_t* group[MB];
     for (int bb = 0; bb < MB; ++bb) {
       group[bb] = packed + ((b + bb) * groups + g) * S;
+    }
+    if (prefetch) {  // past the end of the weight is harmless: prefetches do not fault
+      for (int bb = 0; bb < MB; ++bb) {
+        for (int64_t l = 0; l < S; l += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(group[bb] + kPrefetchGroups * S + l),
+                       _MM_HINT_T0);
+        }
+      }
     }
     const int8_t* xq[MR];
     for (int r = 0; r < MR; ++r) {
@@ -137,13 +148,14 @@ void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups,
 // Blocks [b0, b1) for rows m0..m0+MR-1: MB at a time, the rest one by one.
 template <int kBits, int MB, int MR>
 void row_tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups,
-              int64_t b0, int64_t b1, int64_t out_block0, float* out, int64_t ldo) {
+              int64_t b0, int64_t b1, int64_t out_block0, float* out, int64_t ldo,
+              bool prefetch) {
   int64_t b = b0;
   for (; b + MB <= b1; b += MB) {
-    tile<kBits, MB, MR>(x, m0, packed, groups, b, out_block0, out, ldo);
+    tile<kBits, MB, MR>(x, m0, packed, groups, b, out_block0, out, ldo, prefetch);
   }
   for (; b < b1; ++b) {
-    tile<kBits, 1, MR>(x, m0, packed, groups, b, out_block0, out, ldo);
+    tile<kBits, 1, MR>(x, m0, packed, groups, b, out_block0, out, ldo, prefetch);
   }
 }
 
@@ -154,19 +166,25 @@ void quant_dot_bits(const QuantRows& x, int64_t M, const uint8_t* packed, int64_
   const int64_t chunk = std::max<int64_t>(8, kChunkBytes / block_bytes / 8 * 8);
   for (int64_t c0 = block_begin; c0 < block_end; c0 += chunk) {
     const int64_t c1 = std::min(block_end, c0 + chunk);
+    // The first row tile of a chunk reads it from memory; with more than one row its
+    // arithmetic per byte outruns the hardware prefetcher, so it prefetches 4 groups ahead.
     int64_t m0 = 0;
     for (; m0 + 4 <= M; m0 += 4) {
-      row_tile<kBits, 2, 4>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
+      row_tile<kBits, 2, 4>(x, m0, packed, groups, c0, c1, block_begin, out, ldo,
+                                    m0 == 0 && M > 1);
     }
     switch (M - m0) {
       case 3:
-        row_tile<kBits, 2, 3>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
+        row_tile<kBits, 2, 3>(x, m0, packed, groups, c0, c1, block_begin, out, ldo,
+                                    m0 == 0 && M > 1);
         break;
       case 2:
-        row_tile<kBits, 4, 2>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
+        row_tile<kBits, 4, 2>(x, m0, packed, groups, c0, c1, block_begin, out, ldo,
+                                    m0 == 0 && M > 1);
         break;
       case 1:
-        row_tile<kBits, 8, 1>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
+        row_tile<kBits, 8, 1>(x, m0, packed, groups, c0, c1, block_begin, out, ldo,
+                                    m0 == 0 && M > 1);
         break;
       default:
         break;
