@@ -169,22 +169,19 @@ void quant_dot_bits(const QuantRows& x, int64_t M, const uint8_t* packed, int64_
     // The first row tile of a chunk reads it from memory; with more than one row its
     // arithmetic per byte outruns the hardware prefetcher, so it prefetches 4 groups ahead.
     int64_t m0 = 0;
+    auto prefetch = [&] { return m0 == 0 && M > 1; };
     for (; m0 + 4 <= M; m0 += 4) {
-      row_tile<kBits, 2, 4>(x, m0, packed, groups, c0, c1, block_begin, out, ldo,
-                                    m0 == 0 && M > 1);
+      row_tile<kBits, 2, 4>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, prefetch());
     }
     switch (M - m0) {
       case 3:
-        row_tile<kBits, 2, 3>(x, m0, packed, groups, c0, c1, block_begin, out, ldo,
-                                    m0 == 0 && M > 1);
+        row_tile<kBits, 2, 3>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, prefetch());
         break;
       case 2:
-        row_tile<kBits, 4, 2>(x, m0, packed, groups, c0, c1, block_begin, out, ldo,
-                                    m0 == 0 && M > 1);
+        row_tile<kBits, 4, 2>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, prefetch());
         break;
       case 1:
-        row_tile<kBits, 8, 1>(x, m0, packed, groups, c0, c1, block_begin, out, ldo,
-                                    m0 == 0 && M > 1);
+        row_tile<kBits, 8, 1>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, prefetch());
         break;
       default:
         break;
