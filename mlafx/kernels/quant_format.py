@@ -217,6 +217,73 @@ def repack_ggml_q4_0(blocks: torch.Tensor, out_features: int, in_features: int) 
     return _pack_padded(q, d, 4, 8)
 
 
+# ---- compressed-tensors pack-quantized int4 -----------------------------------------------
+#
+# ``weight_packed`` int32 [N, ceil(K/8)]: element k of a row is the nibble at bits 4*(k % 8) of
+# int32 k // 8, holding v + 8 for the signed value v in [-8, 7] (compressed-tensors'
+# ``pack_to_int32``); so seen as little-endian bytes, byte j holds element 2j in its low nibble
+# and 2j + 1 in its high one. ``weight_scale`` [N, ceil(K/g)] (g = group_size; [N, 1] per
+# channel): w = scale * v. The stored nibble is our q (w = d * (q - 8)); a group of g >= 32
+# columns is g / 32 of our groups sharing its scale, held exactly in float16 or refused.
+
+
+def _compressed_nibbles(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """int32 [N, ceil(K/8)] -> the stored nibbles (v + 8) uint8 [N, K] (little-endian host)."""
+    if packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[1] != -(-in_features // 8):
+        raise ValueError(
+            f"weight_packed must be int32 [N, {-(-in_features // 8)}], got {packed.dtype} "
+            f"{tuple(packed.shape)}"
+        )
+    raw = packed.contiguous().view(torch.uint8)  # [N, 4 * ceil(K/8)]
+    nibbles = torch.stack((raw & 0xF, raw >> 4), dim=-1).reshape(packed.shape[0], -1)
+    return nibbles[:, :in_features]
+
+
+def _compressed_scales(
+    scale: torch.Tensor, in_features: int, group_size: int | None
+) -> torch.Tensor:
+    """weight_scale [N, ceil(K/g)] (or [N, 1]) -> one scale per column [N, K], its dtype."""
+    if group_size is None:
+        return scale[:, :1].expand(-1, in_features)
+    return scale.repeat_interleave(group_size, dim=1)[:, :in_features]
+
+
+def dequantize_compressed_int4(
+    packed: torch.Tensor, scale: torch.Tensor, in_features: int, group_size: int | None
+) -> torch.Tensor:
+    """A pack-quantized int4 weight -> W [N, K] float32, exactly scale * v."""
+    v = _compressed_nibbles(packed, in_features).to(torch.float32) - 8
+    return v * _compressed_scales(scale, in_features, group_size).to(torch.float32)
+
+
+def repack_compressed_int4(
+    packed: torch.Tensor, scale: torch.Tensor, in_features: int, group_size: int | None
+) -> torch.Tensor:
+    """A pack-quantized int4 weight (``group_size`` a multiple of 32, or None per channel) ->
+    packed int4 [ceil(N/16), ceil(K/32), 288], lossless; ``ValueError`` if a scale is not
+    exactly a float16 (the layout's scale type)."""
+    if group_size is not None and group_size % GROUP:
+        raise ValueError(f"group_size {group_size} is not a multiple of {GROUP}")
+    n, k = packed.shape[0], in_features
+    groups = -(-k // GROUP)
+    q = torch.full((n, groups * GROUP), 8, dtype=torch.int16)  # columns past K: w = 0
+    q[:, :k] = _compressed_nibbles(packed, k)
+    # one scale per group of 32 (a group of g >= 32 columns repeats its scale g / 32 times)
+    if group_size is not None:
+        wide = scale.repeat_interleave(group_size // GROUP, dim=1)[:, :groups]
+    else:
+        wide = scale[:, :1].expand(-1, groups)
+    d = wide.to(torch.float16)
+    exact = d.to(wide.dtype) == wide
+    if not bool(exact.all()):
+        row, group = (int(i) for i in (~exact).nonzero()[0])
+        raise ValueError(
+            f"scale {float(wide[row, group])!r} (row {row}, columns {group * GROUP}..) is not "
+            "exactly a float16, the scale type of mlafx's int4 layout"
+        )
+    return _pack_padded(q.view(n, groups, GROUP), d, 4, 8)
+
+
 # ---- activations and the product -----------------------------------------------------------
 
 
