@@ -9,8 +9,19 @@ from typing import Literal
 import torch
 
 from mlafx.config import ModelConfig
+from mlafx.config.model_config import ConfigError, load_hf_config_dict
+from mlafx.config.stored_quantization import (
+    BlockFp8,
+    StoredQuantization,
+    stored_quantization,
+)
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.moe import Router
+from mlafx.models.packed_int4_checkpoint import (
+    install_packed_modules,
+    load_packed_int4,
+    plan_packed_int4,
+)
 from mlafx.models.quantized import Quantization, Quantizer
 
 log = logging.getLogger(__name__)
@@ -26,6 +37,20 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(
             f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}"
         ) from None
+
+
+def servable_stored_quantization(model_dir: str | Path) -> StoredQuantization | None:
+    """The quantized format checkpoint ``model_dir`` is stored in, if mlafx serves it; one
+    ``ConfigError`` line for a format it does not."""
+    stored = stored_quantization(load_hf_config_dict(model_dir))
+    if isinstance(stored, BlockFp8):
+        raise ConfigError(
+            f"quantization_config.quant_method = 'fp8' (block-scaled e4m3, "
+            f"weight_block_size {list(stored.block)}) is recognised but not served yet: its "
+            "kernels are not built; mlafx serves compressed-tensors pack-quantized int4 "
+            "checkpoints and bf16/fp16/fp32 ones (quantization='int8'/'int4' on load)"
+        )
+    return stored
 
 
 def build_model(
@@ -47,8 +72,16 @@ def build_model(
     ``"dummy"`` allocates and fills one tensor at a time with seeded random values.
     ``quantization`` ("int8" | "int4", ``models/quantized.py``) quantizes each linear and
     expert stack as soon as it is loaded or drawn, so the full-precision model never exists.
+    A checkpoint stored quantized (its ``quantization_config``,
+    ``config/stored_quantization.py``) loads its quantized modules from their own bytes
+    (``models/packed_int4_checkpoint.py``); ``quantization`` then applies to the rest.
     """
-    from mlafx.models.weights import init_dummy_weights, load_safetensors_weights
+    from mlafx.models.weights import (
+        Elsewhere,
+        checkpoint_files,
+        init_dummy_weights,
+        load_safetensors_weights,
+    )
 
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy'")
@@ -60,18 +93,31 @@ def build_model(
     for module in model.modules():
         if isinstance(module, Router):
             module.float()
+    packed = None
+    if load_format == "auto":
+        files = checkpoint_files(Path(model_dir))
+        stored = servable_stored_quantization(model_dir)
+        if stored is not None:  # a PackedInt4 (servable_ refuses the rest)
+            packed = plan_packed_int4(model, files, cfg.num_hidden_layers, stored)
+            install_packed_modules(model, packed)
     quantizer = None if quantization is None else Quantizer(model, quantization)
     on_filled = None if quantizer is None else quantizer.finish
     if load_format == "dummy":
         init_dummy_weights(model, seed=seed, on_filled=on_filled)
     else:
+        elsewhere = None
+        if packed is not None:
+            elsewhere = Elsewhere(frozenset(packed.keys), frozenset(packed.targets(model)))
         load_safetensors_weights(
             model,
             Path(model_dir),
             num_hidden_layers=cfg.num_hidden_layers,
             progress=progress,
             on_filled=on_filled,
+            elsewhere=elsewhere,
         )
+        if packed is not None:
+            load_packed_int4(model, packed, progress=progress)
     if quantizer is not None:
         quantizer.check_done()
     model.reset_rope()  # a non-persistent buffer: not in the state_dict, not in checkpoints

@@ -113,7 +113,7 @@ def _units(name: str, shape: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(f"{e}.{p}" for e in range(shape[0]) for p in parts)
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
     """The safetensors files to read: the single file, the index's shards, or all of them."""
     if (model_dir / _SINGLE_FILE).is_file():
         return [model_dir / _SINGLE_FILE]
@@ -211,9 +211,16 @@ def _missing(
     return problems
 
 
-def _plan(model: nn.Module, files: list[Path], num_hidden_layers: int) -> list[_Placement]:
+def _plan(
+    model: nn.Module,
+    files: list[Path],
+    num_hidden_layers: int,
+    elsewhere: Elsewhere | None = None,
+) -> list[_Placement]:
     """Check the checkpoint against the model from headers alone; raise with every problem."""
     targets: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
+    if elsewhere is not None:
+        targets = {n: t for n, t in targets.items() if n not in elsewhere.targets}
     alias = _aliases(targets)
     placements: list[_Placement] = []
     claimed: set[tuple[str, str]] = set()  # (target, unit) filled, or already reported misfit
@@ -231,6 +238,8 @@ def _plan(model: nn.Module, files: list[Path], num_hidden_layers: int) -> list[_
                     problems.append(f"{key}: duplicate, in both {found[key].name} and {file.name}")
                     continue
                 found[key] = file
+                if elsewhere is not None and key in elsewhere.keys:
+                    continue
                 layer = _LAYER.match(key)
                 if layer is not None and int(layer.group(1)) >= num_hidden_layers:
                     skipped_layers += 1
@@ -261,11 +270,6 @@ def _plan(model: nn.Module, files: list[Path], num_hidden_layers: int) -> list[_
     problems += [
         f"{key}: unexpected checkpoint key (no such tensor in the model)" for key in unexpected
     ]
-    if any(key.endswith("weight_scale_inv") for key in unexpected):
-        problems.append(
-            "the checkpoint is block-quantised FP8 (*.weight_scale_inv): "
-            "dequantise it to bf16 first"
-        )
     problems += _missing(targets, alias, claimed)
     if problems:
         raise WeightLoadError(problems)
@@ -280,6 +284,16 @@ def _plan(model: nn.Module, files: list[Path], num_hidden_layers: int) -> list[_
             truncated,
         )
     return placements
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """Checkpoint ``keys`` and model ``targets`` another loader handles (a stored quantized
+    format's, ``models/packed_int4_checkpoint.py``): skipped here, neither unexpected nor
+    missing."""
+
+    keys: frozenset[str]
+    targets: frozenset[str]
 
 
 def _is_whole(placement: _Placement, target: torch.Tensor) -> bool:
@@ -344,6 +358,7 @@ def load_safetensors_weights(
     num_hidden_layers: int,
     progress: bool = True,
     on_filled: OnFilled | None = None,
+    elsewhere: Elsewhere | None = None,
 ) -> None:
     """Fill ``model``'s parameters and buffers from a safetensors checkpoint.
 
@@ -355,10 +370,11 @@ def load_safetensors_weights(
     unexpected, wrongly shaped and duplicate tensors) with the model untouched.
 
     ``on_filled(names, tensor)`` runs as soon as a target holds all its values (the quantizer
-    replaces it then, so its source is dropped before the next one is read).
+    replaces it then, so its source is dropped before the next one is read). ``elsewhere``
+    names checkpoint keys and targets left to another loader.
     """
     model_dir = Path(model_dir)
-    placements = _plan(model, _checkpoint_files(model_dir), num_hidden_layers)
+    placements = _plan(model, checkpoint_files(model_dir), num_hidden_layers, elsewhere)
     live: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
     names_of: dict[str, list[str]] = {}
     for name, canonical in _aliases(live).items():

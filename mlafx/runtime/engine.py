@@ -19,7 +19,13 @@ import torch
 
 from mlafx.config import ModelConfig, check_fits_in_memory
 from mlafx.config.presets import PRESETS
-from mlafx.models.loader import DTYPES, LoadFormat, build_model, torch_dtype
+from mlafx.models.loader import (
+    DTYPES,
+    LoadFormat,
+    build_model,
+    servable_stored_quantization,
+    torch_dtype,
+)
 from mlafx.models.quantized import Quantization, check_quantization
 from mlafx.models.step import StepFn
 from mlafx.parallel import WorkerGroup, check_shardable, start_workers
@@ -132,6 +138,14 @@ class LLM:
             raise ValueError(
                 f"preset {model!r} has no weights on this machine; use load_format='dummy' "
                 "or a local checkpoint directory"
+            )
+        stored = None
+        if load_format == "auto" and model not in PRESETS:
+            stored = servable_stored_quantization(model)  # an unserved format fails here
+        if stored is not None and tensor_parallel_size != 1:
+            raise ValueError(
+                "checkpoints stored quantized are not supported with tensor_parallel_size > 1 "
+                "yet (the shards split full-precision weights)"
             )
         # before any allocation: the weights plus the cache must fit
         check_fits_in_memory(cfg, dtype, options.num_blocks(cfg, dtype) * block_size, quantization)
