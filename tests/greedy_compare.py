@@ -47,3 +47,21 @@ def compare_greedy(
             f"{want_lp:.6f}"
         )
     return Comparison(compared=len(ref_tokens), tie_at=None)
+
+
+def transformers_greedy(
+    model, prompt: list[int], new_tokens: int
+) -> tuple[list[int], torch.Tensor]:
+    """transformers' own greedy generation of exactly ``new_tokens`` tokens after ``prompt``:
+    (tokens, [new_tokens, vocab] float32 log-softmax of its logits), the reference rows
+    ``compare_greedy`` takes."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    logprobs = torch.log_softmax(torch.stack(out.logits, dim=1)[0].float(), dim=-1)
+    return out.sequences[0, len(prompt) :].tolist(), logprobs

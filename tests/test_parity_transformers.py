@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import mlafx
-from tests.greedy_compare import compare_greedy
+from tests.greedy_compare import compare_greedy, transformers_greedy
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 61))]
 NEW_TOKENS = 16
@@ -141,19 +141,6 @@ def make_checkpoint(name: str, directory) -> torch.nn.Module:
     return model
 
 
-def reference_generate(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    logprobs = torch.log_softmax(torch.stack(out.logits, dim=1)[0].float(), dim=-1)
-    return out.sequences[0, len(prompt) :].tolist(), logprobs
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["reference", "compiled"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_greedy_tokens_and_logprobs_match_transformers(name, compiled, tmp_path):
@@ -171,7 +158,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(name, compiled, tmp_path)
     outputs = llm.generate(PROMPTS, mlafx.SamplingParams(max_tokens=NEW_TOKENS, logprobs=1))
     compared = 0
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        want, want_logprobs = reference_generate(reference, prompt)
+        want, want_logprobs = transformers_greedy(reference, prompt, NEW_TOKENS)
         got = output.outputs[0].token_ids
         got_logprobs = [lp[t] for t, lp in zip(got, output.outputs[0].logprobs, strict=True)]
         result = compare_greedy(

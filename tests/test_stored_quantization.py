@@ -37,7 +37,7 @@ from mlafx.kernels import quant_format
 from mlafx.kernels.quant_format import GROUP, dequantize_weight, repack_compressed_int4
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 from mlafx.models.weights import WeightLoadError
-from tests.greedy_compare import compare_greedy
+from tests.greedy_compare import compare_greedy, transformers_greedy
 
 # ---- the config -------------------------------------------------------------------------
 
@@ -287,19 +287,6 @@ def _top_rows(output: mlafx.RequestOutput, vocab: int) -> torch.Tensor:
     return rows
 
 
-def _reference(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    logprobs = torch.log_softmax(torch.stack(out.logits, dim=1)[0].float(), dim=-1)
-    return out.sequences[0, len(prompt) :].tolist(), logprobs
-
-
 def _unrounded_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quant_format.quantize_activations`` without the int8 rounding: x itself, scale 1."""
     m, k = x.shape
@@ -319,7 +306,7 @@ def test_a_packed_checkpoint_is_exactly_its_dequantized_weights(name, tmp_path, 
     outputs = _generate(tmp_path, compiled=False)
     compared = 0
     for i, prompt in enumerate(PROMPTS):
-        want, want_logprobs = _reference(reference, prompt)
+        want, want_logprobs = transformers_greedy(reference, prompt, NEW_TOKENS)
         got = outputs[i].outputs[0].token_ids
         label = f"{name} #{i}"
         compared += compare_greedy(want, want_logprobs, got, _logprobs_of(outputs[i]),

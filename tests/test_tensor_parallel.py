@@ -34,8 +34,8 @@ from mlafx.parallel.collectives import install_all_reduce
 from mlafx.parallel.group import free_port
 from mlafx.parallel.sharding import shard_config, shard_model
 from tests.engine_compare import assert_same_greedy, greedy_params, random_prompts, reference_alone
-from tests.greedy_compare import compare_greedy
-from tests.test_parity_transformers import NEW_TOKENS, PROMPTS, make_checkpoint, reference_generate
+from tests.greedy_compare import compare_greedy, transformers_greedy
+from tests.test_parity_transformers import NEW_TOKENS, PROMPTS, make_checkpoint
 from tests.tiny_models import TINY_OVERRIDES, tiny_llm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,7 +191,7 @@ def test_tp2_with_a_remote_rank_matches_transformers_on_a_v3_checkpoint(tmp_path
             remote.kill()
     compared = 0
     for i, (prompt, out) in enumerate(zip(PROMPTS, outputs, strict=True)):
-        tokens, logprobs = reference_generate(hf_model, prompt)
+        tokens, logprobs = transformers_greedy(hf_model, prompt, NEW_TOKENS)
         got = out.outputs[0]
         got_logprobs = [top[t] for t, top in zip(got.token_ids, got.logprobs, strict=True)]
         compared += compare_greedy(

@@ -95,9 +95,9 @@ def build_model(
             module.float()
     packed = None
     if load_format == "auto":
-        files = checkpoint_files(Path(model_dir))
         stored = servable_stored_quantization(model_dir)
         if stored is not None:  # a PackedInt4 (servable_ refuses the rest)
+            files = checkpoint_files(Path(model_dir))
             packed = plan_packed_int4(model, files, cfg.num_hidden_layers, stored)
             install_packed_modules(model, packed)
     quantizer = None if quantization is None else Quantizer(model, quantization)
@@ -107,7 +107,7 @@ def build_model(
     else:
         elsewhere = None
         if packed is not None:
-            elsewhere = Elsewhere(frozenset(packed.keys), frozenset(packed.targets(model)))
+            elsewhere = Elsewhere(frozenset(packed.keys), frozenset(packed.targets()))
         load_safetensors_weights(
             model,
             Path(model_dir),

@@ -26,6 +26,7 @@ module at a time (a mapping of its bytes, dropped after the repack).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -47,6 +48,8 @@ from mlafx.models.moe import RoutedExperts
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 from mlafx.models.safetensors_file import StoredTensor, map_stored, tensor_locations
 from mlafx.models.weights import WeightLoadError
+
+logger = logging.getLogger(__name__)
 
 _PART = re.compile(r"^(.*)\.weight_(packed|scale|shape)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -79,7 +82,7 @@ class PackedPlan:
     keys: set[str] = field(default_factory=set)  # checkpoint keys handled here
     skipped: int = 0  # modules of layers >= num_hidden_layers or experts >= E
 
-    def targets(self, model: nn.Module) -> set[str]:
+    def targets(self) -> set[str]:
         """The model tensors this plan fills (after ``install_packed_modules``)."""
         names = {f"{m}.qweight" for m in self.linears}
         names |= {f"{m}.weight" for m in self.dequantized}
@@ -179,6 +182,12 @@ def plan_packed_int4(
             )
     if problems:
         raise WeightLoadError(problems)
+    if plan.skipped:
+        logger.info(
+            "skipped %d packed modules of layers >= %d or experts beyond the model's",
+            plan.skipped,
+            num_hidden_layers,
+        )
     return plan
 
 
