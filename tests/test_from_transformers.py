@@ -13,8 +13,8 @@ import transformers
 import mlafx
 from mlafx.models.from_transformers import model_from_transformers
 from mlafx.passes.find_mla_attention import find_mla_sites
-from tests.greedy_compare import compare_greedy
-from tests.test_parity_transformers import CONFIGS, NEW_TOKENS, PROMPTS, reference_generate
+from tests.greedy_compare import compare_greedy, transformers_greedy
+from tests.test_parity_transformers import CONFIGS, NEW_TOKENS, PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_compiled_engine_serves_the_object(hf_model):
     assert llm.compiled is not None
     outputs = llm.generate(PROMPTS, mlafx.SamplingParams(max_tokens=NEW_TOKENS, logprobs=1))
     for prompt, output in zip(PROMPTS, outputs, strict=True):
-        want, want_logprobs = reference_generate(hf_model, prompt)
+        want, want_logprobs = transformers_greedy(hf_model, prompt, NEW_TOKENS)
         got = output.outputs[0].token_ids
         got_logprobs = [lp[t] for t, lp in zip(got, output.outputs[0].logprobs, strict=True)]
         compare_greedy(want, want_logprobs, got, got_logprobs, label=f"len={len(prompt)}")
