@@ -12,6 +12,8 @@ hint if it is missing or stale) and registers the ops' fake implementations.
 - ``quant_format.py``: the int8/int4 (Q8_0/Q4_0-like) packed weight format and its semantics
 - ``quant_ops.py``, ``quant_reference.py``: quantized linears and MoE experts (W8A8), float64
   references
+- ``fp8_format.py``, ``fp8_ops.py``, ``fp8_reference.py``: block-scaled FP8 weights as
+  DeepSeek publishes them, their linears and MoE experts, float64 references
 - ``csrc/``: C++ kernels (``*_avx512.cpp`` compiled with AVX-512 flags, chosen at run time)
 """
 
@@ -28,6 +30,7 @@ from mlafx.kernels.extension import (
     load_extension,
     parallel_num_threads,
 )
+from mlafx.kernels.fp8_ops import linear_fp8, moe_experts_fp8
 from mlafx.kernels.gemm_ops import (
     linear_decode,
     linear_packed,
@@ -49,12 +52,14 @@ __all__ = [
     "gather_latent",
     "library_path",
     "linear_decode",
+    "linear_fp8",
     "linear_packed",
     "linear_quantized",
     "load_extension",
     "merge_attn_states",
     "mla_attention_paged",
     "moe_experts",
+    "moe_experts_fp8",
     "moe_experts_quantized",
     "pack_linear_weight",
     "parallel_num_threads",

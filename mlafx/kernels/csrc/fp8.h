@@ -1,0 +1,61 @@
+// The block-scaled FP8 products: kernels behind linear_fp8 (fp8_linear.cpp) and
+// moe_experts_fp8 (fp8_moe.cpp). The weights stay as the checkpoint stores them (DeepSeek's
+// layout, mlafx/kernels/fp8_format.py): e4m3 bytes W [N, K] row-major and one float32 scale
+// per block of block_n rows x block_k columns, scale [ceil(N/block_n), ceil(K/block_k)]; the
+// dequantized weight is w[n, k] = e4m3(W[n, k]) * scale[n / block_n, k / block_k].
+//
+// Every e4m3 value is exact in bfloat16 (and float32), so the kernels widen the bytes in
+// registers and multiply exactly: out = sum over k blocks of scale * (the block's fp32 sum of
+// x * e4m3), each block's partial sum scaled once. bf16 activations go to VDPBF16PS; fp32
+// activations (fp16 and fp32 x, and every x on the portable path) to fp32 FMAs.
+//
+// Deliberately free of ATen/c10 includes: shared between portable and AVX-512 objects.
+#pragma once
+
+#include <cstdint>
+
+namespace mlafx {
+
+// block_k must be a multiple of kFp8KStep (the AVX-512 kernels' chunk of K).
+constexpr int64_t kFp8KStep = 32;
+
+// One weight (or one expert's gate/up/down part) as stored.
+struct Fp8Weight {
+  const uint8_t* w;      // [N, K] e4m3 bytes, row stride ldw
+  int64_t ldw;
+  const float* scale;    // [ceil(N/block_n), ceil(K/block_k)], row stride lds
+  int64_t lds;
+  int64_t K;
+  int64_t block_n;
+  int64_t block_k;       // a multiple of kFp8KStep
+};
+
+// M rows of activations: bf16 bits when bf16 != nullptr (only made when use_avx512_bf16()),
+// else fp32 in f32. Row stride ld; K columns.
+struct Fp8Rows {
+  const uint16_t* bf16;
+  const float* f32;
+  int64_t ld;
+};
+
+// out[m * ldo + n - n0] = sum_kb scale[n / block_n, kb] * sum_{k in kb} x[m, k] * e4m3(W[n, k])
+// for m < M and n0 <= n < n1, fp32. The AVX-512 kernels when use_avx512_bf16(), else the
+// portable one; they differ only in fp32 summation order. Single-threaded: callers split n.
+void fp8_dot(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
+             float* out, int64_t ldo);
+
+// The float value of every e4m3fn byte (NaN for 0x7F / 0xFF).
+float e4m3_to_float(uint8_t byte);
+
+}  // namespace mlafx
+
+namespace mlafx::avx512 {
+
+// The contract of fp8_dot for bf16 rows (x.bf16) and for fp32 rows (x.f32); call only when
+// mlafx::use_avx512_bf16() (fp8_dot_avx512.cpp).
+void fp8_dot_bf16(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
+                  float* out, int64_t ldo);
+void fp8_dot_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
+                 float* out, int64_t ldo);
+
+}  // namespace mlafx::avx512

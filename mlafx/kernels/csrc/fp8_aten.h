@@ -1,0 +1,52 @@
+// ATen-facing helpers of the block FP8 products, shared by fp8_linear.cpp and fp8_moe.cpp.
+// Portable sources only (includes ATen): never include this from an *_avx512.cpp file.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "fp8.h"
+
+namespace mlafx {
+
+// Rows of x as the kernels read them (fp8.h): bf16 bits when x is bf16 and the AVX-512 BF16
+// kernels run, else fp32. Owns the buffer Fp8Rows points into.
+struct Fp8Activations {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::vector<uint16_t> bf16;
+  std::vector<float> f32;
+
+  Fp8Rows view(int64_t row0 = 0) const;
+};
+
+// x [M, K] bf16/fp16/fp32, last dim contiguous (rows may be strided).
+Fp8Activations fp8_activations(const at::Tensor& x);
+
+// Rows `index` of `src`, in that order (moe: the tokens of each expert).
+Fp8Activations gather_rows(const Fp8Activations& src, const std::vector<int64_t>& index);
+
+// Checks one stored weight: w [lead..., N, K] float8_e4m3fn and scale [lead...,
+// scale_rows, ceil(K/block_k)] float32 (scale_rows = ceil(N/block_n) unless given), both
+// contiguous, block_k a positive multiple of 32, block_n positive. `op` and `name` go into
+// the messages.
+void check_fp8_weight(const char* op, const char* name, const at::Tensor& w,
+                      const at::Tensor& scale, at::IntArrayRef lead, int64_t N, int64_t K,
+                      int64_t block_n, int64_t block_k, int64_t scale_rows = -1);
+
+// Rows [0, N) of a 2-D weight whose first row is at w and first scale row at scale.
+Fp8Weight fp8_view(const uint8_t* w, const float* scale, int64_t K, int64_t block_n,
+                   int64_t block_k);
+
+// out[m * ldo + n] for n in [0, N): fp8_dot in parallel over the weight's rows (>= ~64 KB of
+// weight per thread).
+void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
+                     int64_t ldo);
+
+// Weight rows per at::parallel_for grain: >= ~64 KB of weight, so a thread's wake-up costs
+// less than its share.
+int64_t fp8_row_grain(int64_t K);
+
+}  // namespace mlafx

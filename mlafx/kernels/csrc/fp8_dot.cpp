@@ -1,0 +1,78 @@
+// fp8_dot (fp8.h): the run-time choice between the AVX-512 kernels (fp8_dot_avx512.cpp) and
+// the portable one, which is the obvious loop: a 256-entry e4m3 table, fp32 products and
+// sums per k block, each block's sum scaled once.
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "cpu_features.h"
+#include "fp8.h"
+
+namespace mlafx {
+namespace {
+
+float decode_e4m3(uint8_t byte) {
+  const int exponent = (byte >> 3) & 0xF;
+  const int mantissa = byte & 0x7;
+  const float sign = (byte & 0x80) != 0 ? -1.0f : 1.0f;
+  if (exponent == 0xF && mantissa == 0x7) {
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  if (exponent == 0) {
+    return sign * std::ldexp(static_cast<float>(mantissa), -9);
+  }
+  return sign * std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f, exponent - 7);
+}
+
+const std::array<float, 256>& e4m3_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = decode_e4m3(static_cast<uint8_t>(b));
+    return t;
+  }();
+  return table;
+}
+
+void fp8_dot_portable(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
+                      float* out, int64_t ldo) {
+  const std::array<float, 256>& table = e4m3_table();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W.w + n * W.ldw;
+    const float* scale = W.scale + (n / W.block_n) * W.lds;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x.f32 + m * x.ld;
+      float total = 0.0f;
+      for (int64_t k0 = 0, kb = 0; k0 < W.K; k0 += W.block_k, ++kb) {
+        const int64_t k1 = std::min(W.K, k0 + W.block_k);
+        float acc = 0.0f;
+        for (int64_t k = k0; k < k1; ++k) acc += xm[k] * table[row[k]];
+        total += acc * scale[kb];
+      }
+      out[m * ldo + n - n0] = total;
+    }
+  }
+}
+
+}  // namespace
+
+float e4m3_to_float(uint8_t byte) { return e4m3_table()[byte]; }
+
+void fp8_dot(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
+             float* out, int64_t ldo) {
+  if (M <= 0 || n1 <= n0) {
+    return;
+  }
+  if (use_avx512_bf16()) {
+    if (x.bf16 != nullptr) {
+      avx512::fp8_dot_bf16(w, x, M, n0, n1, out, ldo);
+    } else {
+      avx512::fp8_dot_f32(w, x, M, n0, n1, out, ldo);
+    }
+    return;
+  }
+  fp8_dot_portable(w, x, M, n0, n1, out, ldo);
+}
+
+}  // namespace mlafx

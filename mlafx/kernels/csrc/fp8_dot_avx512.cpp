@@ -1,0 +1,250 @@
+// The AVX-512 kernels of fp8_dot (fp8.h): e4m3 bytes widened to bf16 in registers, 32 at a
+// time, then VDPBF16PS against bf16 activations (exact products, fp32 sums) or two fp32 FMAs
+// against fp32 activations. Each k block's 16-lane partial sums are scaled by the block's
+// scale once (one FMA per block) and reduced across lanes once per output.
+//
+// e4m3fn -> bf16 (both exact): a normal byte s.eeee.mmm is bf16 s.(e + 120).mmm0000, i.e.
+// ((b & 0x7F) << 4) + 0x3C00 with the sign moved from bit 7 to bit 15; the 7 subnormals
+// (e = 0: m * 2^-9) and zero come from an 8-entry permute table; 0x7F / 0xFF are NaN.
+//
+// Register tiles: MR rows of x by NR rows of W share each converted weight vector and each
+// loaded activation vector. Few rows of x (decode) take several weight rows at once for
+// independent accumulator chains; many rows (prefill) convert a tile of weight rows to a
+// bf16 scratch once and reuse it for every group of 8 rows of x.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "fp8.h"
+
+namespace mlafx::avx512 {
+namespace {
+
+inline __mmask32 tail_mask(int64_t remaining) {
+  return remaining >= 32 ? ~__mmask32{0} : (__mmask32{1} << remaining) - 1;
+}
+
+// 32 e4m3 bytes -> 32 bf16 (16-bit lanes).
+inline __m512i e4m3_to_bf16(__m256i bytes) {
+  const __m512i subnormals = _mm512_set_epi16(
+      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  //
+      0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0x0000);
+  const __m512i w = _mm512_cvtepu8_epi16(bytes);
+  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+  __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3C00));
+  v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
+                                    subnormals);
+  v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)),
+                            _mm512_set1_epi16(0x7FC0));
+  // v | (w << 8 & 0x8000): the sign from bit 7 to bit 15
+  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(w, 8), _mm512_set1_epi16(-32768), 0xF8);
+}
+
+inline __m512 bf16_low_to_f32(__m512i v) {  // lanes 0..15 of 32 bf16 -> fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+}
+inline __m512 bf16_high_to_f32(__m512i v) {  // lanes 16..31
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+}
+
+// The weight rows of one tile: e4m3 bytes, or bf16 already converted (kConverted).
+template <int NR, bool kConverted>
+struct WeightRows {
+  const uint8_t* fp8[NR];
+  const uint16_t* bf16[NR];
+  const float* scale[NR];
+
+  __m512i load(int r, int64_t k, __mmask32 mask) const {
+    if constexpr (kConverted) {
+      return _mm512_maskz_loadu_epi16(mask, bf16[r] + k);
+    } else {
+      return e4m3_to_bf16(_mm256_maskz_loadu_epi8(mask, fp8[r] + k));
+    }
+  }
+};
+
+// out[m * ldo + r] for m < MR, r < NR: bf16 rows of x, VDPBF16PS.
+template <int MR, int NR, bool kConverted>
+void tile_bf16(const Fp8Weight& W, const WeightRows<NR, kConverted>& rows, const uint16_t* x,
+               int64_t ldx, float* out, int64_t ldo) {
+  __m512 total[MR][NR];
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) total[m][r] = _mm512_setzero_ps();
+  }
+  for (int64_t k0 = 0, kb = 0; k0 < W.K; k0 += W.block_k, ++kb) {
+    const int64_t k1 = std::min(W.K, k0 + W.block_k);
+    __m512 acc[MR][NR];
+    for (int m = 0; m < MR; ++m) {
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+    }
+    for (int64_t k = k0; k < k1; k += 32) {
+      const __mmask32 mask = tail_mask(k1 - k);
+      __m512i wv[NR];
+      for (int r = 0; r < NR; ++r) wv[r] = rows.load(r, k, mask);
+      for (int m = 0; m < MR; ++m) {
+        const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
+        for (int r = 0; r < NR; ++r) {
+          acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 s = _mm512_set1_ps(rows.scale[r][kb]);
+      for (int m = 0; m < MR; ++m) total[m][r] = _mm512_fmadd_ps(acc[m][r], s, total[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) out[m * ldo + r] = _mm512_reduce_add_ps(total[m][r]);
+  }
+}
+
+// The same over fp32 rows of x: each 32 converted weights as two fp32 vectors.
+template <int MR, int NR>
+void tile_f32(const Fp8Weight& W, const WeightRows<NR, false>& rows, const float* x, int64_t ldx,
+              float* out, int64_t ldo) {
+  __m512 total[MR][NR];
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) total[m][r] = _mm512_setzero_ps();
+  }
+  for (int64_t k0 = 0, kb = 0; k0 < W.K; k0 += W.block_k, ++kb) {
+    const int64_t k1 = std::min(W.K, k0 + W.block_k);
+    __m512 acc[MR][NR];
+    for (int m = 0; m < MR; ++m) {
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+    }
+    for (int64_t k = k0; k < k1; k += 32) {
+      const __mmask32 mask = tail_mask(k1 - k);
+      __m512 lo[NR], hi[NR];
+      for (int r = 0; r < NR; ++r) {
+        const __m512i v = rows.load(r, k, mask);
+        lo[r] = bf16_low_to_f32(v);
+        hi[r] = bf16_high_to_f32(v);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const float* xm = x + m * ldx + k;
+        const __m512 x_lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), xm);
+        const __m512 x_hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask >> 16), xm + 16);
+        for (int r = 0; r < NR; ++r) {
+          acc[m][r] = _mm512_fmadd_ps(x_lo, lo[r], acc[m][r]);
+          acc[m][r] = _mm512_fmadd_ps(x_hi, hi[r], acc[m][r]);
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 s = _mm512_set1_ps(rows.scale[r][kb]);
+      for (int m = 0; m < MR; ++m) total[m][r] = _mm512_fmadd_ps(acc[m][r], s, total[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) out[m * ldo + r] = _mm512_reduce_add_ps(total[m][r]);
+  }
+}
+
+template <int NR, bool kConverted>
+WeightRows<NR, kConverted> rows_at(const Fp8Weight& W, int64_t n, const uint16_t* converted,
+                                   int64_t ldc) {
+  WeightRows<NR, kConverted> rows{};
+  for (int r = 0; r < NR; ++r) {
+    rows.fp8[r] = W.w + (n + r) * W.ldw;
+    rows.bf16[r] = converted == nullptr ? nullptr : converted + r * ldc;
+    rows.scale[r] = W.scale + ((n + r) / W.block_n) * W.lds;
+  }
+  return rows;
+}
+
+// Rows [m0, m0 + MR) of x against weight rows [n0, n1), NR at a time, then one at a time.
+template <int MR, int NR>
+void rows_direct_bf16(const Fp8Weight& W, const uint16_t* x, int64_t ldx, int64_t n0, int64_t n1,
+                      float* out, int64_t ldo) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    tile_bf16<MR, NR, false>(W, rows_at<NR, false>(W, n, nullptr, 0), x, ldx, out + n - n0, ldo);
+  }
+  for (; n < n1; ++n) {
+    tile_bf16<MR, 1, false>(W, rows_at<1, false>(W, n, nullptr, 0), x, ldx, out + n - n0, ldo);
+  }
+}
+
+template <int MR, int NR>
+void rows_direct_f32(const Fp8Weight& W, const float* x, int64_t ldx, int64_t n0, int64_t n1,
+                     float* out, int64_t ldo) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    tile_f32<MR, NR>(W, rows_at<NR, false>(W, n, nullptr, 0), x, ldx, out + n - n0, ldo);
+  }
+  for (; n < n1; ++n) {
+    tile_f32<MR, 1>(W, rows_at<1, false>(W, n, nullptr, 0), x, ldx, out + n - n0, ldo);
+  }
+}
+
+// M <= 8 rows of x, the tile shape chosen at run time.
+void rows_bf16_few(int64_t mr, const Fp8Weight& W, const uint16_t* x, int64_t ldx, int64_t n0,
+                     int64_t n1, float* out, int64_t ldo) {
+  switch (mr) {
+    case 1: return rows_direct_bf16<1, 4>(W, x, ldx, n0, n1, out, ldo);
+    case 2: return rows_direct_bf16<2, 4>(W, x, ldx, n0, n1, out, ldo);
+    case 3: return rows_direct_bf16<3, 2>(W, x, ldx, n0, n1, out, ldo);
+    case 4: return rows_direct_bf16<4, 2>(W, x, ldx, n0, n1, out, ldo);
+    case 5: return rows_direct_bf16<5, 1>(W, x, ldx, n0, n1, out, ldo);
+    case 6: return rows_direct_bf16<6, 1>(W, x, ldx, n0, n1, out, ldo);
+    case 7: return rows_direct_bf16<7, 1>(W, x, ldx, n0, n1, out, ldo);
+    default: return rows_direct_bf16<8, 1>(W, x, ldx, n0, n1, out, ldo);
+  }
+}
+
+template <int MR>
+void converted_tile(const Fp8Weight& W, const WeightRows<1, true>& rows, const uint16_t* x,
+                    int64_t ldx, float* out, int64_t ldo) {
+  tile_bf16<MR, 1, true>(W, rows, x, ldx, out, ldo);
+}
+
+constexpr int64_t kTileRows = 16;  // weight rows converted to bf16 at once (M > 8)
+
+}  // namespace
+
+void fp8_dot_bf16(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
+                  float* out, int64_t ldo) {
+  if (M <= 8) {
+    rows_bf16_few(M, W, x.bf16, x.ld, n0, n1, out, ldo);
+    return;
+  }
+  const int64_t kpad = (W.K + 31) / 32 * 32;
+  std::vector<uint16_t> converted(static_cast<size_t>(kTileRows * kpad));
+  for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {
+    const int64_t t1 = std::min(n1, t0 + kTileRows);
+    for (int64_t n = t0; n < t1; ++n) {
+      const uint8_t* src = W.w + n * W.ldw;
+      uint16_t* dst = converted.data() + (n - t0) * kpad;
+      for (int64_t k = 0; k < W.K; k += 32) {
+        const __mmask32 mask = tail_mask(W.K - k);
+        _mm512_mask_storeu_epi16(dst + k, mask, e4m3_to_bf16(_mm256_maskz_loadu_epi8(mask, src + k)));
+      }
+    }
+    for (int64_t n = t0; n < t1; ++n) {
+      const WeightRows<1, true> rows = rows_at<1, true>(W, n, converted.data() + (n - t0) * kpad, 0);
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) {
+        converted_tile<8>(W, rows, x.bf16 + m * x.ld, x.ld, out + m * ldo + n - n0, ldo);
+      }
+      for (; m < M; ++m) {
+        converted_tile<1>(W, rows, x.bf16 + m * x.ld, x.ld, out + m * ldo + n - n0, ldo);
+      }
+    }
+  }
+}
+
+void fp8_dot_f32(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
+                 float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    rows_direct_f32<4, 1>(W, x.f32 + m * x.ld, x.ld, n0, n1, out + m * ldo, ldo);
+  }
+  for (; m < M; ++m) {
+    rows_direct_f32<1, 4>(W, x.f32 + m * x.ld, x.ld, n0, n1, out + m * ldo, ldo);
+  }
+}
+
+}  // namespace mlafx::avx512

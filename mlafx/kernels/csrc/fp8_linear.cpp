@@ -1,0 +1,208 @@
+// linear_fp8: y = x @ W^T (+ bias) for W stored as DeepSeek's block-scaled FP8 (fp8.h,
+// mlafx/kernels/fp8_format.py):
+//
+//   linear_fp8(x [M, K], weight [N, K] float8_e4m3fn, weight_scale [ceil(N/bn), ceil(K/bk)]
+//              float32, block_n = bn, block_k = bk, bias? [N]) -> out [M, N]  (x's dtype)
+//       x bf16/fp16/fp32, last dim contiguous; bk a multiple of 32. Each product
+//       x[m, k] * e4m3(W[n, k]) is exact in fp32; per k block the fp32 sum is scaled by the
+//       block's scale once; the blocks' sum (fp32) is rounded once to x's dtype; the bias is
+//       added after that rounding (as linear_quantized).
+//
+// Threads split the weight's rows, each a contiguous range of >= ~64 KB of weight, so with few
+// rows of x every weight byte is read once, by one thread. Within a range the kernel runs a
+// step of rows at a time over all rows of x into an fp32 scratch of at most ~256 KB, rounded
+// into the output right away. Python reference: fp8_format.linear_fp8_reference.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "cpu_features.h"
+#include "fp8_aten.h"
+#include "gemm_aten.h"
+
+namespace mlafx {
+
+Fp8Rows Fp8Activations::view(int64_t row0) const {
+  if (!bf16.empty()) {
+    return Fp8Rows{bf16.data() + row0 * cols, nullptr, cols};
+  }
+  return Fp8Rows{nullptr, f32.data() + row0 * cols, cols};
+}
+
+Fp8Activations fp8_activations(const at::Tensor& x) {
+  Fp8Activations out;
+  out.rows = x.size(0);
+  out.cols = x.size(1);
+  const int64_t M = out.rows, K = out.cols, ldx = x.stride(0);
+  if (M == 0 || K == 0) {
+    return out;
+  }
+  if (x.scalar_type() == at::kBFloat16 && use_avx512_bf16()) {
+    out.bf16.resize(static_cast<size_t>(M * K));
+    const auto* data = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(out.bf16.data() + m * K, data + m * ldx, K * sizeof(uint16_t));
+    }
+    return out;
+  }
+  out.f32.resize(static_cast<size_t>(M * K));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fp8_activations", [&] {
+    const scalar_t* data = x.const_data_ptr<scalar_t>();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t k = 0; k < K; ++k) out.f32[m * K + k] = static_cast<float>(data[m * ldx + k]);
+      }
+    });
+  });
+  return out;
+}
+
+Fp8Activations gather_rows(const Fp8Activations& src, const std::vector<int64_t>& index) {
+  Fp8Activations out;
+  out.rows = static_cast<int64_t>(index.size());
+  out.cols = src.cols;
+  const int64_t K = src.cols;
+  if (!src.bf16.empty()) {
+    out.bf16.resize(static_cast<size_t>(out.rows * K));
+  } else {
+    out.f32.resize(static_cast<size_t>(out.rows * K));
+  }
+  for (int64_t r = 0; r < out.rows; ++r) {
+    const int64_t from = index[static_cast<size_t>(r)];
+    if (!src.bf16.empty()) {
+      std::memcpy(out.bf16.data() + r * K, src.bf16.data() + from * K, K * sizeof(uint16_t));
+    } else if (K > 0) {
+      std::memcpy(out.f32.data() + r * K, src.f32.data() + from * K, K * sizeof(float));
+    }
+  }
+  return out;
+}
+
+void check_fp8_weight(const char* op, const char* name, const at::Tensor& w,
+                      const at::Tensor& scale, at::IntArrayRef lead, int64_t N, int64_t K,
+                      int64_t block_n, int64_t block_k, int64_t scale_rows) {
+  TORCH_CHECK(w.device().is_cpu() && scale.device().is_cpu(), op, ": ", name,
+              " and its scale must be on the CPU");
+  TORCH_CHECK_VALUE(block_n > 0 && block_k > 0 && block_k % kFp8KStep == 0, op,
+                    ": the block must be [block_n > 0, block_k a positive multiple of ",
+                    kFp8KStep, "], got [", block_n, ", ", block_k, "]");
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kFloat8_e4m3fn, op, ": ", name,
+                   " must be float8_e4m3fn, got ", w.scalar_type());
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, op, ": ", name,
+                   "'s scale must be float32, got ", scale.scalar_type());
+  std::vector<int64_t> want_w(lead.begin(), lead.end());
+  want_w.push_back(N);
+  want_w.push_back(K);
+  std::vector<int64_t> want_s(lead.begin(), lead.end());
+  want_s.push_back(scale_rows >= 0 ? scale_rows : (N + block_n - 1) / block_n);
+  want_s.push_back((K + block_k - 1) / block_k);
+  TORCH_CHECK_VALUE(w.sizes() == at::IntArrayRef(want_w), op, ": ", name, " must be ",
+                    at::IntArrayRef(want_w), ", got ", w.sizes());
+  TORCH_CHECK_VALUE(scale.sizes() == at::IntArrayRef(want_s), op, ": ", name,
+                    "'s scale must be ", at::IntArrayRef(want_s), " (one per [", block_n, ", ",
+                    block_k, "] block), got ", scale.sizes());
+  TORCH_CHECK_VALUE(w.is_contiguous() && scale.is_contiguous(), op, ": ", name,
+                    " and its scale must be contiguous");
+}
+
+Fp8Weight fp8_view(const uint8_t* w, const float* scale, int64_t K, int64_t block_n,
+                   int64_t block_k) {
+  return Fp8Weight{w, K, scale, (K + block_k - 1) / block_k, K, block_n, block_k};
+}
+
+int64_t fp8_row_grain(int64_t K) { return std::max<int64_t>(1, (int64_t{64} << 10) / std::max<int64_t>(K, 1)); }
+
+void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
+                     int64_t ldo) {
+  at::parallel_for(0, N, fp8_row_grain(w.K), [&](int64_t n0, int64_t n1) {
+    fp8_dot(w, x, M, n0, n1, out + n0, ldo);
+  });
+}
+
+namespace {
+
+constexpr int64_t kScratchFloats = 64 << 10;  // 256 KB per thread
+
+template <typename scalar_t>
+void run_range(const Fp8Weight& w, const Fp8Activations& xa, int64_t M, int64_t N, int64_t n0,
+               int64_t n1, scalar_t* out) {
+  const int64_t step = std::clamp<int64_t>(kScratchFloats / std::max<int64_t>(M, 1), 16, 1024);
+  std::vector<float> scratch(static_cast<size_t>(M * std::min(step, n1 - n0)));
+  const Fp8Rows x = xa.view();
+  for (int64_t s0 = n0; s0 < n1; s0 += step) {
+    const int64_t s1 = std::min(n1, s0 + step);
+    const int64_t ld = s1 - s0;
+    fp8_dot(w, x, M, s0, s1, scratch.data(), ld);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = s0; n < s1; ++n) out[m * N + n] = static_cast<scalar_t>(scratch[m * ld + n - s0]);
+    }
+  }
+}
+
+at::Tensor linear_fp8(const at::Tensor& x,       // [M, K]
+                      const at::Tensor& weight,  // [N, K] float8_e4m3fn
+                      const at::Tensor& scale,   // [ceil(N/bn), ceil(K/bk)] float32
+                      int64_t block_n, int64_t block_k,
+                      const std::optional<at::Tensor>& bias) {  // [N] or none
+  TORCH_CHECK(x.device().is_cpu(), "linear_fp8: x must be on the CPU, got ", x.device());
+  TORCH_CHECK_TYPE(is_supported_float(x.scalar_type()),
+                   "linear_fp8: x must be bfloat16, float16 or float32, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2, "linear_fp8: x must be [num_rows, in_features], got shape ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 2, "linear_fp8: weight must be [out_features, "
+                    "in_features], got shape ", weight.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  check_fp8_weight("linear_fp8", "weight", weight, scale, {}, N, K, block_n, block_k);
+  TORCH_CHECK_VALUE(K <= 1 || x.stride(1) == 1,
+                    "linear_fp8: x's last dim must be contiguous, got strides ", x.strides());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == N,
+                      "linear_fp8: bias must be [out_features] = [", N, "], got shape ",
+                      bias->sizes());
+    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "linear_fp8: bias dtype ",
+                     bias->scalar_type(), " must equal x's dtype ", x.scalar_type());
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) {
+    return out;
+  }
+  if (K == 0) {
+    out.zero_();
+  } else {
+    const Fp8Activations xa = fp8_activations(x);
+    const Fp8Weight w = fp8_view(static_cast<const uint8_t*>(weight.const_data_ptr()),
+                                 scale.const_data_ptr<float>(), K, block_n, block_k);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_fp8", [&] {
+      scalar_t* out_data = out.data_ptr<scalar_t>();
+      at::parallel_for(0, N, fp8_row_grain(K), [&](int64_t n0, int64_t n1) {
+        run_range(w, xa, M, N, n0, n1, out_data);
+      });
+    });
+  }
+  if (has_bias) {
+    out.add_(*bias);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace mlafx
+
+TORCH_LIBRARY_FRAGMENT(mlafx, m) {
+  m.def(
+      "linear_fp8(Tensor x, Tensor weight, Tensor weight_scale, int block_n, int block_k, "
+      "Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mlafx, CPU, m) { m.impl("linear_fp8", &mlafx::linear_fp8); }
