@@ -38,6 +38,14 @@ from mlafx.kernels.quant_format import GROUP, dequantize_weight, repack_compress
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 from mlafx.models.weights import WeightLoadError
 from tests.greedy_compare import compare_greedy, transformers_greedy
+from tests.stored_generation import (
+    NEW_TOKENS,
+    PROMPTS,
+    TINY_V3,
+    generate,
+    logprobs_of,
+    top_rows,
+)
 
 # ---- the config -------------------------------------------------------------------------
 
@@ -143,32 +151,6 @@ def test_a_scale_float16_cannot_hold_is_refused():
 
 # ---- whole checkpoints --------------------------------------------------------------------
 
-_COMMON = dict(
-    vocab_size=160,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=32,
-    q_lora_rank=24,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    n_routed_experts=8,
-    num_experts_per_tok=3,
-    n_shared_experts=1,
-    n_group=4,
-    topk_group=2,
-    norm_topk_prob=True,
-    routed_scaling_factor=2.5,
-    first_k_dense_replace=1,
-    max_position_embeddings=256,
-    initializer_range=0.2,
-    bos_token_id=None,
-    eos_token_id=None,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-)
 # name -> (config overrides, scheme, ignore list)
 MODELS = {
     # Kimi K2-Thinking's layout: routed experts int4 in groups of 32, the rest bf16/fp32
@@ -225,7 +207,7 @@ def write_packed_checkpoint(name: str, directory: Path) -> torch.nn.Module:
     overrides, scheme, ignore = MODELS[name]
     torch.manual_seed(4321)
     model = transformers.DeepseekV3ForCausalLM(
-        transformers.DeepseekV3Config(**_COMMON, **overrides)
+        transformers.DeepseekV3Config(**TINY_V3, **overrides)
     ).eval()
     with torch.no_grad():
         for module_name, buffer in model.named_buffers():
@@ -254,39 +236,6 @@ def write_packed_checkpoint(name: str, directory: Path) -> torch.nn.Module:
     return transformers.DeepseekV3ForCausalLM.from_pretrained(dequantized_dir).eval()
 
 
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 61)), list(range(20, 50)) + [9, 9]]
-NEW_TOKENS = 12
-
-
-def _generate(directory: Path, compiled: bool) -> list[mlafx.RequestOutput]:
-    llm = mlafx.LLM(
-        str(directory),
-        dtype="float32",
-        block_size=4,
-        num_kv_blocks=96,
-        max_num_batched_tokens=16,  # the 41- and 32-token prompts arrive in chunks
-        progress=False,
-        compile=compiled,
-    )
-    params = mlafx.SamplingParams(max_tokens=NEW_TOKENS, logprobs=2, ignore_eos=True)
-    # the last prompt shares 28 tokens (7 blocks) with the third: prefix-cache hits
-    first = llm.generate(PROMPTS[:3], params)
-    return first + llm.generate(PROMPTS[3:], params)
-
-
-def _logprobs_of(output: mlafx.RequestOutput) -> list[float]:
-    got = output.outputs[0]
-    return [top[t] for t, top in zip(got.token_ids, got.logprobs, strict=True)]
-
-
-def _top_rows(output: mlafx.RequestOutput, vocab: int) -> torch.Tensor:
-    """The output's returned top log-probabilities as [N, vocab] rows (-inf elsewhere)."""
-    rows = torch.full((NEW_TOKENS, vocab), float("-inf"))
-    for i, top in enumerate(output.outputs[0].logprobs):
-        rows[i, list(top)] = torch.tensor(list(top.values()))
-    return rows
-
-
 def _unrounded_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``quant_format.quantize_activations`` without the int8 rounding: x itself, scale 1."""
     m, k = x.shape
@@ -303,13 +252,13 @@ def test_a_packed_checkpoint_is_exactly_its_dequantized_weights(name, tmp_path, 
     int8, which transformers does not), the two compute the same function."""
     reference = write_packed_checkpoint(name, tmp_path)
     monkeypatch.setattr(quant_format, "quantize_activations", _unrounded_activations)
-    outputs = _generate(tmp_path, compiled=False)
+    outputs = generate(tmp_path, compiled=False)
     compared = 0
     for i, prompt in enumerate(PROMPTS):
         want, want_logprobs = transformers_greedy(reference, prompt, NEW_TOKENS)
         got = outputs[i].outputs[0].token_ids
         label = f"{name} #{i}"
-        compared += compare_greedy(want, want_logprobs, got, _logprobs_of(outputs[i]),
+        compared += compare_greedy(want, want_logprobs, got, logprobs_of(outputs[i]),
                                    label=label).compared  # fmt: skip
     assert compared >= len(PROMPTS) * NEW_TOKENS * 3 // 4, f"only {compared} positions compared"
 
@@ -319,13 +268,13 @@ def test_a_packed_checkpoint_compiles_to_the_reference_paths_function(name, tmp_
     """The compiled step (int4 kernels) against the reference path over the same bytes and
     the same W4A8 semantics: they differ in fp32 summation order only."""
     write_packed_checkpoint(name, tmp_path)
-    eager = _generate(tmp_path, compiled=False)
-    compiled = _generate(tmp_path, compiled=True)
+    eager = generate(tmp_path, compiled=False)
+    compiled = generate(tmp_path, compiled=True)
     compared = 0
     for i in range(len(PROMPTS)):
         compared += compare_greedy(
-            eager[i].outputs[0].token_ids, _top_rows(eager[i], _COMMON["vocab_size"]),
-            compiled[i].outputs[0].token_ids, _logprobs_of(compiled[i]), label=f"{name} #{i}",
+            eager[i].outputs[0].token_ids, top_rows(eager[i], TINY_V3["vocab_size"]),
+            compiled[i].outputs[0].token_ids, logprobs_of(compiled[i]), label=f"{name} #{i}",
         ).compared  # fmt: skip
     assert compared >= len(PROMPTS) * NEW_TOKENS * 3 // 4, f"only {compared} positions compared"
 
@@ -357,18 +306,3 @@ def test_a_packed_checkpoint_with_a_missing_part_names_it(tmp_path):
     message = str(info.value)
     assert "experts.3.up_proj.weight_scale: missing" in message
     assert "expert linears are not (first: model.layers.1.mlp.experts.5.down_proj)" in message
-
-
-def test_an_fp8_checkpoint_is_refused_in_one_line(tmp_path):
-    write_packed_checkpoint("kimi_k2_experts", tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError) as info:
-        mlafx.LLM(str(tmp_path), dtype="float32", compile=False, progress=False)
-    assert "'fp8'" in str(info.value) and "\n" not in str(info.value)

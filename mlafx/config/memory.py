@@ -22,48 +22,74 @@ def dtype_bytes(dtype: str) -> int:
 # fp16 scale per group), padding aside.
 QUANTIZED_BYTES_PER_WEIGHT = {"int8": 34 / 32, "int4": 18 / 32}
 
+# The linears of each kind, by a representative module name (a stored format's ``ignore``
+# list is matched against it).
+_KIND_MODULES = {
+    "attention": "model.layers.0.self_attn.o_proj",
+    "dense_mlp": "model.layers.0.mlp.down_proj",
+    "shared_experts": "model.layers.0.mlp.shared_experts.down_proj",
+    "routed_experts": "model.layers.0.mlp.experts.0.down_proj",
+    "lm_head": "lm_head",
+}
 
-def parameter_counts(cfg: ModelConfig, quantization: str | None = None) -> tuple[int, int, int]:
-    """(parameters stored in the model dtype, kept in fp32 (router weights/biases), stored
-    quantized). With ``quantization`` every linear but ``kv_b_proj`` and the routed experts are
-    quantized (``models/quantized.py``); the embedding, norms and ``kv_b_proj`` are not."""
+
+def parameter_kinds(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by kind: the linears of ``_KIND_MODULES``, ``kv_b`` (kept in the model dtype
+    by every quantization), ``kept`` (embedding and norms), ``fp32`` (router weights/biases).
+    A tied lm_head counts 0 here (it is the embedding)."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
     if cfg.q_lora_rank is None:
         q = d * h * cfg.qk_head_dim
     else:
-        q = d * cfg.q_lora_rank + cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim
-    attn = (
-        q
-        + d * cfg.latent_width
-        + cfg.kv_lora_rank
-        + cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        + h * cfg.v_head_dim * d
-    )
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    n_dense = cfg.num_hidden_layers - n_moe
-    experts = 3 * d * cfg.moe_intermediate_size * (cfg.n_routed_experts + cfg.n_shared_experts)
-    model_dtype = (
-        cfg.num_hidden_layers * (attn + 2 * d)
-        + n_dense * 3 * d * cfg.intermediate_size
-        + n_moe * experts
-        + cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
-        + d
-    )
-    fp32 = n_moe * (cfg.n_routed_experts * d + cfg.n_routed_experts)
-    if quantization is None:
-        return model_dtype, fp32, 0
-    kv_b = cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    norms = cfg.num_hidden_layers * (2 * d + cfg.kv_lora_rank + (cfg.q_lora_rank or 0)) + d
-    kept = cfg.num_hidden_layers * kv_b + norms + cfg.vocab_size * d  # + the embedding
-    # a tied lm_head gets its own quantized copy
-    quantized = model_dtype - kept + (cfg.vocab_size * d if cfg.tie_word_embeddings else 0)
-    return kept, fp32, quantized
+        q = d * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim
+    layers = cfg.num_hidden_layers
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(layers))
+    per_expert = 3 * d * cfg.moe_intermediate_size
+    norms = layers * (2 * d + cfg.kv_lora_rank + (cfg.q_lora_rank or 0)) + d
+    return {
+        "attention": layers * (q + d * cfg.latent_width + h * cfg.v_head_dim * d),
+        "kv_b": layers * cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+        "dense_mlp": (layers - n_moe) * 3 * d * cfg.intermediate_size,
+        "shared_experts": n_moe * per_expert * cfg.n_shared_experts,
+        "routed_experts": n_moe * per_expert * cfg.n_routed_experts,
+        "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * d,
+        "kept": cfg.vocab_size * d + norms,
+        "fp32": n_moe * (cfg.n_routed_experts * d + cfg.n_routed_experts),
+    }
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str, quantization: str | None = None) -> int:
-    model_dtype, fp32, quantized = parameter_counts(cfg, quantization)
-    per_quantized = 0.0 if quantization is None else QUANTIZED_BYTES_PER_WEIGHT[quantization]
-    return model_dtype * dtype_bytes(dtype) + fp32 * 4 + int(quantized * per_quantized)
+def _stored_bytes_per_weight(stored: object, kind: str) -> float | None:
+    """Bytes per weight of a linear kind as a stored format keeps it (None: not stored
+    quantized). FP8 (DeepSeek's): every linear but lm_head, one byte plus a float32 scale
+    per block; int4 (compressed-tensors): what its ``ignore`` list does not name, repacked."""
+    from mlafx.config.stored_quantization import BlockFp8, PackedInt4
+
+    if isinstance(stored, BlockFp8):
+        bn, bk = stored.block
+        return None if kind == "lm_head" else 1 + 4 / (bn * bk)
+    if isinstance(stored, PackedInt4):
+        return None if stored.ignores(_KIND_MODULES[kind]) else QUANTIZED_BYTES_PER_WEIGHT["int4"]
+    return None
+
+
+def weight_bytes(
+    cfg: ModelConfig, dtype: str, quantization: str | None = None, stored: object = None
+) -> int:
+    """The weights' bytes once loaded: a checkpoint's ``stored`` quantized format
+    (``config/stored_quantization.py``) as stored, ``quantization`` ("int8" / "int4", every
+    other linear but ``kv_b_proj``; a tied lm_head gets its own copy), the rest in ``dtype``."""
+    kinds = parameter_kinds(cfg)
+    size = dtype_bytes(dtype)
+    total = (kinds["kept"] + kinds["kv_b"]) * size + kinds["fp32"] * 4.0
+    for kind in _KIND_MODULES:
+        count = kinds[kind]
+        if kind == "lm_head" and quantization is not None and cfg.tie_word_embeddings:
+            count = cfg.vocab_size * cfg.hidden_size
+        per = _stored_bytes_per_weight(stored, kind)
+        if per is None:
+            per = size if quantization is None else QUANTIZED_BYTES_PER_WEIGHT[quantization]
+        total += count * per
+    return int(total)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
@@ -84,16 +110,22 @@ def available_memory_bytes() -> int:
 
 
 def check_fits_in_memory(
-    cfg: ModelConfig, dtype: str, min_kv_tokens: int, quantization: str | None = None
+    cfg: ModelConfig,
+    dtype: str,
+    min_kv_tokens: int,
+    quantization: str | None = None,
+    stored: object = None,
 ) -> int:
     """Raise a ConfigError with an estimate if weights plus the smallest useful KV cache
-    (``min_kv_tokens`` latent rows) exceed 90% of the memory available now. Returns the
-    estimate in bytes."""
-    weights = weight_bytes(cfg, dtype, quantization)
+    (``min_kv_tokens`` latent rows) exceed 90% of the memory available now (``weight_bytes``).
+    Returns the estimate in bytes."""
+    weights = weight_bytes(cfg, dtype, quantization, stored)
     need = weights + kv_bytes_per_token(cfg, dtype) * min_kv_tokens
     have = available_memory_bytes()
     if need > 0.9 * have:
         what = dtype if quantization is None else f"{quantization}-quantized"
+        if stored is not None:
+            what = f"{type(stored).__name__} ({what} elsewhere)"
         raise ConfigError(
             f"model needs about {need / 2**30:.1f} GiB ({weights / 2**30:.1f} GiB "
             f"of {what} weights for {cfg.num_hidden_layers} layers plus the KV cache for "

@@ -10,8 +10,8 @@ their own bytes, read and checked before any weight is.
   mlafx's int4 layout (``kernels/quant_format.py``: ``w = d * (q - 8)`` per 32 columns, an fp16
   ``d``), so they run on the same kernels as ``quantization="int4"``.
 - ``BlockFp8``: DeepSeek's block-scaled FP8 (``quant_method: fp8``, e4m3, a float32
-  ``weight_scale_inv`` per ``weight_block_size`` block): recognised and refused with one line
-  until its kernels exist.
+  ``weight_scale_inv`` per ``weight_block_size`` block): served from its own bytes
+  (``kernels/fp8_format.py``); the block's columns must be a multiple of 32.
 
 Anything else (another method, bits, asymmetric zero points, activation quantization, a group
 the layout cannot take) is one ``ConfigError`` naming the key and value and what is supported.
@@ -26,9 +26,11 @@ from typing import Any
 from mlafx.config.model_config import ConfigError
 
 _SUPPORTED = (
-    "mlafx serves quant_method 'compressed-tensors' (format 'pack-quantized': int4, symmetric, "
-    "group_size a multiple of 32 or per channel, weights only)"
+    "mlafx serves quant_method 'fp8' (e4m3, dynamic activations, weight_block_size [rows, "
+    "cols a multiple of 32]) and 'compressed-tensors' (format 'pack-quantized': int4, "
+    "symmetric, group_size a multiple of 32 or per channel, weights only)"
 )
+_FP8_K_STEP = 32  # kernels/fp8_format.K_STEP (config/ imports no kernels)
 # mlafx's int4 layout has one scale per 32 columns: a coarser group repeats its scale.
 _GROUP = 32
 
@@ -102,6 +104,8 @@ def _block_fp8(qc: dict[str, Any]) -> BlockFp8:
         and all(isinstance(b, int) and b > 0 for b in block)
     ):
         raise _fail("weight_block_size", block, "FP8 needs a [rows, cols] block of positive ints")
+    if block[1] % _FP8_K_STEP:
+        raise _fail("weight_block_size", block, f"the columns must be a multiple of {_FP8_K_STEP}")
     return BlockFp8(block=(block[0], block[1]))
 
 

@@ -36,6 +36,7 @@ from torch.export import Dim, ExportedProgram
 
 from mlafx.models.attention_path import AttentionPath
 from mlafx.models.deepseek import DecoderLayer, MLAForCausalLM
+from mlafx.models.fp8 import Fp8Experts, Fp8Linear
 from mlafx.models.moe import RoutedExperts
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 from mlafx.models.rope import rope_cos_sin
@@ -237,18 +238,34 @@ def _quantized_linear_forward(self, x):  # type: ignore[no-untyped-def]
     return out.reshape(*x.shape[:-1], self.out_features)
 
 
+def _fp8_experts_forward(self, x, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+    return torch.ops.mlafx.moe_experts_fp8(
+        x, topk_ids, topk_weights, self.gate_up_weight, self.gate_up_scale, self.down_weight,
+        self.down_scale, *self.block,
+    )  # fmt: skip
+
+
+def _fp8_linear_forward(self, x):  # type: ignore[no-untyped-def]
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mlafx.linear_fp8(rows, self.weight, self.weight_scale_inv, *self.block, None)
+    return out.reshape(*x.shape[:-1], self.out_features)
+
+
 @contextlib.contextmanager
 def kernels_as_custom_ops() -> Iterator[None]:
     """Within this block every ``RoutedExperts`` runs ``mlafx::moe_experts`` (its data-dependent
     dispatch does not trace), and the quantized modules run their kernels
-    (``mlafx::linear_quantized``, ``mlafx::moe_experts_quantized``: the same semantics as their
-    eager reference, which dequantizes whole weights)."""
+    (``mlafx::linear_quantized``, ``mlafx::moe_experts_quantized``, ``mlafx::linear_fp8``,
+    ``mlafx::moe_experts_fp8``: the same semantics as their eager reference, which dequantizes
+    whole weights)."""
     import mlafx.kernels  # noqa: F401  (registers the ops and their fakes)
 
     patched = (
         (RoutedExperts, _experts_forward),
         (QuantizedExperts, _quantized_experts_forward),
         (QuantizedLinear, _quantized_linear_forward),
+        (Fp8Experts, _fp8_experts_forward),
+        (Fp8Linear, _fp8_linear_forward),
     )
     originals = [(cls, cls.forward) for cls, _ in patched]
     for cls, forward in patched:

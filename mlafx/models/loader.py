@@ -9,11 +9,17 @@ from typing import Literal
 import torch
 
 from mlafx.config import ModelConfig
-from mlafx.config.model_config import ConfigError, load_hf_config_dict
+from mlafx.config.model_config import load_hf_config_dict
 from mlafx.config.stored_quantization import (
     BlockFp8,
     StoredQuantization,
     stored_quantization,
+)
+from mlafx.models.block_fp8_checkpoint import (
+    Fp8Plan,
+    install_fp8_modules,
+    load_block_fp8,
+    plan_block_fp8,
 )
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.moe import Router
@@ -40,17 +46,9 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def servable_stored_quantization(model_dir: str | Path) -> StoredQuantization | None:
-    """The quantized format checkpoint ``model_dir`` is stored in, if mlafx serves it; one
-    ``ConfigError`` line for a format it does not."""
-    stored = stored_quantization(load_hf_config_dict(model_dir))
-    if isinstance(stored, BlockFp8):
-        raise ConfigError(
-            f"quantization_config.quant_method = 'fp8' (block-scaled e4m3, "
-            f"weight_block_size {list(stored.block)}) is recognised but not served yet: its "
-            "kernels are not built; mlafx serves compressed-tensors pack-quantized int4 "
-            "checkpoints and bf16/fp16/fp32 ones (quantization='int8'/'int4' on load)"
-        )
-    return stored
+    """The quantized format checkpoint ``model_dir`` is stored in (None: unquantized); one
+    ``ConfigError`` line for a format mlafx does not serve."""
+    return stored_quantization(load_hf_config_dict(model_dir))
 
 
 def build_model(
@@ -74,7 +72,8 @@ def build_model(
     expert stack as soon as it is loaded or drawn, so the full-precision model never exists.
     A checkpoint stored quantized (its ``quantization_config``,
     ``config/stored_quantization.py``) loads its quantized modules from their own bytes
-    (``models/packed_int4_checkpoint.py``); ``quantization`` then applies to the rest.
+    (``models/packed_int4_checkpoint.py``, ``models/block_fp8_checkpoint.py``);
+    ``quantization`` then applies to the rest.
     """
     from mlafx.models.weights import (
         Elsewhere,
@@ -96,7 +95,11 @@ def build_model(
     packed = None
     if load_format == "auto":
         stored = servable_stored_quantization(model_dir)
-        if stored is not None:  # a PackedInt4 (servable_ refuses the rest)
+        if isinstance(stored, BlockFp8):
+            files = checkpoint_files(Path(model_dir))
+            packed = plan_block_fp8(model, files, cfg.num_hidden_layers, stored)
+            install_fp8_modules(model, packed)
+        elif stored is not None:
             files = checkpoint_files(Path(model_dir))
             packed = plan_packed_int4(model, files, cfg.num_hidden_layers, stored)
             install_packed_modules(model, packed)
@@ -116,7 +119,9 @@ def build_model(
             on_filled=on_filled,
             elsewhere=elsewhere,
         )
-        if packed is not None:
+        if isinstance(packed, Fp8Plan):
+            load_block_fp8(model, packed, progress=progress)
+        elif packed is not None:
             load_packed_int4(model, packed, progress=progress)
     if quantizer is not None:
         quantizer.check_done()

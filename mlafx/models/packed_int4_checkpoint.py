@@ -197,21 +197,21 @@ def install_packed_modules(model: nn.Module, plan: PackedPlan) -> None:
     for name, packed in plan.linears.items():
         shape = packed_shape(packed.out_features, packed.in_features, 4)
         meta = torch.empty(shape, dtype=torch.uint8, device="meta")
-        _replace(model, name, QuantizedLinear(packed.in_features, packed.out_features, meta))
+        replace_module(model, name, QuantizedLinear(packed.in_features, packed.out_features, meta))
     for stack in plan.experts:
         num, two_i, d = model.get_submodule(stack).gate_up_proj.shape
         i = two_i // 2
         gate_up = torch.empty((num, *packed_shape(two_i, d, 4)), dtype=torch.uint8, device="meta")
         down = torch.empty((num, *packed_shape(d, i, 4)), dtype=torch.uint8, device="meta")
-        _replace(model, stack, QuantizedExperts(i, gate_up, down))
+        replace_module(model, stack, QuantizedExperts(i, gate_up, down))
 
 
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-class _Reader:
+class CheckpointReader:
     """Maps checkpoint tensors, one file descriptor per file kept open for the load."""
 
     def __init__(self) -> None:
@@ -228,7 +228,7 @@ class _Reader:
             os.close(fd)
 
 
-def _tensors(reader: _Reader, packed: _Packed) -> tuple[torch.Tensor, torch.Tensor]:
+def _tensors(reader: CheckpointReader, packed: _Packed) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight_packed, weight_scale) of a module, its ``weight_shape`` checked."""
     shape = tuple(int(v) for v in reader.read(packed.parts["shape"]))
     if shape != (packed.out_features, packed.in_features):
@@ -241,7 +241,9 @@ def _tensors(reader: _Reader, packed: _Packed) -> tuple[torch.Tensor, torch.Tens
     return reader.read(packed.parts["packed"]), reader.read(packed.parts["scale"])
 
 
-def _repack_into(out: torch.Tensor, reader: _Reader, packed: _Packed, fmt: PackedInt4) -> None:
+def _repack_into(
+    out: torch.Tensor, reader: CheckpointReader, packed: _Packed, fmt: PackedInt4
+) -> None:
     """Repack one module into ``out`` [ceil(N/16), ceil(K/32), S], a chunk of rows at a time."""
     weight, scale = _tensors(reader, packed)
     for start in range(0, packed.out_features, _CHUNK_ROWS):
@@ -260,7 +262,7 @@ def load_packed_int4(model: nn.Module, plan: PackedPlan, *, progress: bool = Tru
     total = len(plan.linears) + len(plan.dequantized) + len(plan.experts)
     bar = tqdm(total=total, desc="repacking int4", unit="module", file=sys.stderr,
                disable=not progress)  # fmt: skip
-    reader = _Reader()
+    reader = CheckpointReader()
     try:
         with torch.no_grad(), bar:
             for name, packed in plan.linears.items():
@@ -291,7 +293,7 @@ def load_packed_int4(model: nn.Module, plan: PackedPlan, *, progress: bool = Tru
 
 
 def _repack_gate_up(
-    out: torch.Tensor, reader: _Reader, gate: _Packed, up: _Packed, fmt: PackedInt4
+    out: torch.Tensor, reader: CheckpointReader, gate: _Packed, up: _Packed, fmt: PackedInt4
 ) -> None:
     """An expert's gate [I, K] and up [I, K] as one [2I, K] weight (gate rows first): a
     16-row block may hold rows of both when I is not a multiple of 16."""

@@ -148,7 +148,9 @@ class LLM:
                 "yet (the shards split full-precision weights)"
             )
         # before any allocation: the weights plus the cache must fit
-        check_fits_in_memory(cfg, dtype, options.num_blocks(cfg, dtype) * block_size, quantization)
+        check_fits_in_memory(
+            cfg, dtype, options.num_blocks(cfg, dtype) * block_size, quantization, stored
+        )
         # a bad store spec fails here, before the (slow) model build and compile
         connector = connect_kv_store(kv_connector, cfg, dtype, block_size)
         try:
