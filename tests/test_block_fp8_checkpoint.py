@@ -191,3 +191,31 @@ def test_the_memory_estimate_counts_the_stored_bytes():
     rest = kinds["kept"] + kinds["kv_b"] + kinds["lm_head"]
     assert fp8 == int(linears * (1 + 4 / 128**2) + rest * 2 + kinds["fp32"] * 4)
     assert 0.5 < fp8 / bf16 < 0.53
+
+
+def test_an_aoti_artifact_keeps_the_fp8_bytes_and_serves_the_same_tokens(tmp_path):
+    write_fp8_checkpoint("v3_blocks_16x32", tmp_path / "ckpt")
+    manifest = mlafx.export(tmp_path / "ckpt", tmp_path / "aoti", "aoti", dtype="float32",
+                            block_size=4, progress=False)  # fmt: skip
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "aoti" / "weights.safetensors", "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+    assert "F8_E4M3" in dtypes, dtypes
+    assert manifest.files["weights.safetensors"]["bytes"] < 0.5 * sum(
+        p.stat().st_size for p in (tmp_path / "ckpt" / "dequantized").glob("*.safetensors")
+    )
+    served = mlafx.LLM.from_artifact(tmp_path / "aoti", num_kv_blocks=64)
+    compiled = mlafx.LLM(str(tmp_path / "ckpt"), dtype="float32", block_size=4,
+                         num_kv_blocks=64, progress=False)  # fmt: skip
+    params = mlafx.SamplingParams(max_tokens=6, ignore_eos=True)
+    got = served.generate(PROMPTS[:2], params)
+    want = compiled.generate(PROMPTS[:2], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_onnx_export_of_an_fp8_checkpoint_is_refused(tmp_path):
+    write_fp8_checkpoint("v3_blocks_16x32", tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="ONNX export of a block-FP8 checkpoint"):
+        mlafx.export(tmp_path / "ckpt", tmp_path / "onnx", "onnx", dtype="float32",
+                     progress=False)  # fmt: skip

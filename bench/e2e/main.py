@@ -37,11 +37,12 @@ if str(ROOT) not in sys.path:
 from bench import roofline as roofline_mod  # noqa: E402
 from bench.e2e import costs, report  # noqa: E402
 from bench.e2e.backends import MlafxStep, TransformersModel, blocks_needed  # noqa: E402
+from bench.e2e.fp8_checkpoint import write_fp8_checkpoint  # noqa: E402
 from bench.e2e.measure import peak_rss_bytes, reset_peak_rss, time_calls  # noqa: E402
 from bench.e2e.models import MODELS, mlafx_llm, transformers_twin  # noqa: E402
 from bench.e2e.plan import DEFAULT, QUANTIZED, QUICK, Plan  # noqa: E402
 from bench.e2e.serving import prefix_hit_ttft, run_mixed_workload  # noqa: E402
-from mlafx.config import ModelConfig  # noqa: E402
+from mlafx.config import EMBEDDED_DEFAULT_MODEL, ModelConfig  # noqa: E402
 from mlafx.models.deepseek import MLAForCausalLM  # noqa: E402
 from mlafx.models.loader import build_model  # noqa: E402
 from mlafx.runtime import LLM  # noqa: E402
@@ -150,10 +151,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plots", type=Path, default=RESULTS, help="directory for the PNGs")
     parser.add_argument(
         "--quantization",
-        choices=["int8", "int4"],
+        choices=["int8", "int4", "fp8"],
         default=None,
         help="mlafx's compiled engine alone with quantized weights, on the full "
-        "DeepSeek-V2-Lite preset unless --model (decode against the quantized floor)",
+        "DeepSeek-V2-Lite preset unless --model (decode against the quantized floor); fp8 "
+        "writes the dummy weights as a DeepSeek block-FP8 checkpoint (--checkpoint-dir) and "
+        "serves it from its bytes",
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="where --quantization fp8 writes (and reuses) its checkpoint; default "
+        "results/fp8-<model>",
     )
     return parser.parse_args(argv)
 
@@ -169,6 +179,8 @@ class Run:
     startup_s: dict[str, float] = field(default_factory=dict)
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)
     kv_bytes_per_token: dict[str, float | None] = field(default_factory=dict)
+    checkpoint_bytes: int | None = None  # --quantization fp8: the files served
+    kv_cache_bytes: int | None = None
 
 
 def run_mlafx(run: Run) -> tuple[MLAForCausalLM, torch.nn.Module]:
@@ -198,20 +210,31 @@ def run_mlafx(run: Run) -> tuple[MLAForCausalLM, torch.nn.Module]:
     return llm.model, hf_model
 
 
-def run_quantized(run: Run, quantization: str) -> MLAForCausalLM:
+def run_quantized(run: Run, quantization: str, checkpoint_dir: Path | None) -> MLAForCausalLM:
     """mlafx's compiled engine with ``quantization`` alone; returns its model (the weights the
-    step reads, for the floors)."""
+    step reads, for the floors). fp8: from a dummy checkpoint in DeepSeek's FP8 layout."""
     plan = run.plan
-    progress(f"building mlafx's {quantization} engine on the {plan.model} model (dummy weights)")
-    reset_peak_rss()
-    start = time.perf_counter()
-    llm = mlafx_llm(
-        plan.model,
-        num_kv_blocks=kv_blocks_for(plan, "mlafx"),
-        block_size=BLOCK_SIZE,
-        quantization=quantization,
-    )
+    blocks = kv_blocks_for(plan, "mlafx")
+    if quantization == "fp8":
+        directory = checkpoint_dir or RESULTS / f"fp8-{plan.model}"
+        progress(f"writing (or reusing) the {plan.model} model as an FP8 checkpoint in {directory}")
+        write_fp8_checkpoint(EMBEDDED_DEFAULT_MODEL, MODELS[plan.model], directory)
+        run.checkpoint_bytes = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+        progress(f"building mlafx's engine on {directory} (its FP8 bytes)")
+        reset_peak_rss()
+        start = time.perf_counter()
+        llm = LLM(str(directory), dtype="bfloat16", block_size=BLOCK_SIZE, num_kv_blocks=blocks,
+                  progress=False, compile=True)  # fmt: skip
+    else:
+        progress(
+            f"building mlafx's {quantization} engine on the {plan.model} model (dummy weights)"
+        )
+        reset_peak_rss()
+        start = time.perf_counter()
+        llm = mlafx_llm(plan.model, num_kv_blocks=blocks, block_size=BLOCK_SIZE,
+                        quantization=quantization)  # fmt: skip
     run.startup_s["mlafx"] = time.perf_counter() - start
+    run.kv_cache_bytes = sum(c.numel() * c.element_size() for c in llm.kv_caches)
     run.peak_rss_bytes["mlafx_build"] = peak_rss_bytes()
     run.kv_bytes_per_token["mlafx"] = costs.kv_bytes_per_token(llm.config, llm.dtype)
     reset_peak_rss()
@@ -274,6 +297,16 @@ def print_summary(
             f"{report.LABELS[k]} {v / 2**30:.2f} GiB" for k, v in run.peak_rss_bytes.items()
         )
     )
+    if run.checkpoint_bytes is not None:
+        # served from its own bytes (issue 25): peak RSS <= 1.15 x the files + KV cache + 1 GB
+        limit = 1.15 * run.checkpoint_bytes + (run.kv_cache_bytes or 0) + 2**30
+        peak = max(run.peak_rss_bytes.values())
+        verdict = "met" if peak <= limit else "NOT met"
+        print(
+            f"peak RSS {peak / 2**30:.2f} GiB vs 1.15 x {run.checkpoint_bytes / 2**30:.2f} GiB of "
+            f"checkpoint + {(run.kv_cache_bytes or 0) / 2**30:.2f} GiB KV cache + 1 GiB = "
+            f"{limit / 2**30:.2f} GiB: {verdict}"
+        )
     # quantized: within 1.3x of the quantized floor (issue 18); bf16 1.5x
     floor_goal = 1.5 if weights == "bf16" else 1.3
     checks = report.targets(run.rows, run.serving, run.plan.target, floor_goal)
@@ -313,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     run = Run(plan, roof)
     if args.quantization:
-        weights = run_quantized(run, args.quantization)
+        weights = run_quantized(run, args.quantization, args.checkpoint_dir)
         cfg = weights.config
     else:
         weights, hf_model = run_mlafx(run)

@@ -52,6 +52,7 @@ from mlafx.export.manifest import (
 )
 from mlafx.export.weights import WEIGHTS_FILE, load_weights, save_weights
 from mlafx.models.deepseek import MLAForCausalLM
+from mlafx.models.fp8 import is_fp8
 from mlafx.models.loader import DTYPES, LoadFormat, build_model
 from mlafx.models.quantized import Quantization, check_quantization, is_quantized
 from mlafx.models.step import StepFn
@@ -93,7 +94,7 @@ def export(
     check_quantization(quantization)
     if format == "onnx":
         _check_onnx_dtype(dtype)  # before the (slow) model build
-        _check_onnx_quantization(quantization is not None)
+        _check_onnx_quantization(quantization is not None, False)
     cfg = ModelConfig.from_model(model, hf_overrides)
     if load_format == "auto" and isinstance(model, str) and model in PRESETS:
         raise ValueError(f"preset {model!r} has no weights here; use load_format='dummy'")
@@ -135,7 +136,7 @@ def export_model(
     dtype = _dtype_name(model.dtype)
     if format == "onnx":
         _check_onnx_dtype(dtype)
-        _check_onnx_quantization(is_quantized(model))
+        _check_onnx_quantization(is_quantized(model), is_fp8(model))
     staging = output.with_name(f".{output.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -285,7 +286,12 @@ def _check_onnx_dtype(dtype: str) -> None:
         )
 
 
-def _check_onnx_quantization(quantized: bool) -> None:
+def _check_onnx_quantization(quantized: bool, fp8: bool) -> None:
+    if fp8:
+        raise ValueError(
+            "ONNX export of a block-FP8 checkpoint is not supported: onnxruntime's CPU provider "
+            "has no e4m3 matmul; export it as aoti or pt2 (which keep the FP8 bytes)"
+        )
     if quantized:
         raise ValueError(
             "ONNX export of a quantized model is not supported: mlafx's int8/int4 linears "
