@@ -52,16 +52,16 @@ def _rows(m, k, dtype, gen, layout="contiguous"):
 
 
 def _assert_within_bound(out, x, w, s, block, bias=None):
+    """|out - ref| within the fp32 summation bound plus the roundings to x's dtype: the
+    product's, and with a bias the sum's (the op adds the bias after rounding)."""
     assert out.dtype == x.dtype and out.shape == (x.shape[0], w.shape[0])
-    ref = linear_fp8_f64(x, w, s, block)
+    product = linear_fp8_f64(x, w, s, block)
+    unit = ROUNDING[x.dtype]
+    bound = magnitude_f64(x, w, s, block) * 2.0**-20 + 1e-30 + product.abs() * unit
+    ref = product
     if bias is not None:
-        ref = ref.to(x.dtype).double() + bias.double()
-    bound = magnitude_f64(x, w, s, block) * 2.0**-20 + 1e-30
-    bound += (
-        torch.maximum(ref.abs(), out.double().abs())
-        * ROUNDING[x.dtype]
-        * (2 if bias is not None else 1)
-    )
+        ref = product + bias.double()
+        bound += torch.maximum(ref.abs(), out.double().abs()) * unit
     err = (out.double() - ref).abs()
     assert torch.all(err <= bound), f"worst {(err / bound).max().item():.3f} of the bound"
 
@@ -269,7 +269,8 @@ def _run_probe(tmp_path, name, **env_vars):
 
 
 def test_every_isa_path_within_the_bound(tmp_path):
-    """The best path this CPU has (no variables), the AVX-512 one without AMX, and the
+    """The best path this CPU has (no variables; VBMI byte-table decoding where the CPU has
+    it), the AVX-512 one without AMX, the arithmetic decoding (MLAFX_DISABLE_VBMI=1), and the
     portable one (MLAFX_DISABLE_AVX512=1) on the same cases: rows 1/8/32/33/1024, every
     dtype, partial blocks, strided rows, both expert paths."""
     gen = torch.Generator().manual_seed(5)
@@ -284,6 +285,7 @@ def test_every_isa_path_within_the_bound(tmp_path):
     runs = {
         "best": _run_probe(tmp_path, "best"),
         "no_amx": _run_probe(tmp_path, "no_amx", MLAFX_DISABLE_AMX="1"),
+        "no_vbmi": _run_probe(tmp_path, "no_vbmi", MLAFX_DISABLE_VBMI="1"),
         "portable": _run_probe(tmp_path, "portable", MLAFX_DISABLE_AVX512="1"),
     }
     assert runs["portable"][0] == "portable"

@@ -77,6 +77,21 @@ bool use_avx512_vnni() {
   return use;
 }
 
+bool cpu_supports_avx512_vbmi() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi");
+#else
+  return false;
+#endif
+}
+
+bool use_avx512_vbmi() {
+  static const bool use =
+      use_avx512_bf16() && cpu_supports_avx512_vbmi() && !env_flag("MLAFX_DISABLE_VBMI");
+  return use;
+}
+
 bool avx2_disabled_by_env() { return env_flag("MLAFX_DISABLE_AVX2"); }
 
 bool cpu_supports_avx2() {

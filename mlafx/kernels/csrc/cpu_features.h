@@ -27,6 +27,14 @@ bool cpu_supports_avx512_vnni();
 // cpu_supports_avx512_vnni() and not avx512_disabled_by_env(); computed once per process.
 bool use_avx512_vnni();
 
+// True iff the CPU has AVX512_VBMI (VPERMT2B: a 128-entry byte table lookup, 64 bytes at a
+// time): the block FP8 kernels' e4m3 decoding (fp8_dot_avx512.cpp).
+bool cpu_supports_avx512_vbmi();
+
+// use_avx512_bf16() and VBMI and not MLAFX_DISABLE_VBMI (non-empty, not "0": the FP8 kernels'
+// arithmetic e4m3 decoding instead); computed once per process.
+bool use_avx512_vbmi();
+
 // True iff the CPU has AVX2 + FMA + F16C and the OS saves the ymm state (XGETBV): the
 // quantized kernels' AVX2 path (`*_avx2.cpp`, namespace mlafx::avx2).
 bool cpu_supports_avx2();

@@ -12,12 +12,15 @@
 namespace mlafx {
 
 // Rows of x as the kernels read them (fp8.h): bf16 bits when x is bf16 and the AVX-512 BF16
-// kernels run, else fp32. Owns the buffer Fp8Rows points into.
+// kernels run, else fp32. Owns the buffer Fp8Rows points into: 64-byte aligned rows whose
+// stride is a whole number of cache lines but not of 4 KB pages (a 64-byte load that splits
+// two lines costs twice; rows 4 KB apart share one L1 set).
 struct Fp8Activations {
   int64_t rows = 0;
   int64_t cols = 0;
-  std::vector<uint16_t> bf16;
-  std::vector<float> f32;
+  int64_t ld = 0;
+  bool is_bf16 = false;
+  at::Tensor data;  // [rows, ld] bfloat16 or float32
 
   Fp8Rows view(int64_t row0 = 0) const;
 };

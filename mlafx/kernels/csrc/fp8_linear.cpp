@@ -33,34 +33,53 @@
 namespace mlafx {
 
 Fp8Rows Fp8Activations::view(int64_t row0) const {
-  if (!bf16.empty()) {
-    return Fp8Rows{bf16.data() + row0 * cols, nullptr, cols};
+  if (is_bf16) {
+    return Fp8Rows{reinterpret_cast<const uint16_t*>(data.const_data_ptr<c10::BFloat16>()) +
+                       row0 * ld,
+                   nullptr, ld};
   }
-  return Fp8Rows{nullptr, f32.data() + row0 * cols, cols};
+  return Fp8Rows{nullptr, data.const_data_ptr<float>() + row0 * ld, ld};
 }
 
-Fp8Activations fp8_activations(const at::Tensor& x) {
+namespace {
+
+Fp8Activations empty_activations(int64_t rows, int64_t cols, bool is_bf16) {
   Fp8Activations out;
-  out.rows = x.size(0);
-  out.cols = x.size(1);
-  const int64_t M = out.rows, K = out.cols, ldx = x.stride(0);
+  out.rows = rows;
+  out.cols = cols;
+  out.is_bf16 = is_bf16;
+  const int64_t per_line = is_bf16 ? 32 : 16;  // elements per 64-byte line
+  out.ld = std::max<int64_t>(per_line, (cols + per_line - 1) / per_line * per_line);
+  if ((out.ld * (is_bf16 ? 2 : 4)) % 4096 == 0) {
+    out.ld += per_line;
+  }
+  out.data = at::empty({rows, out.ld}, at::TensorOptions().dtype(is_bf16 ? at::kBFloat16 : at::kFloat));
+  return out;
+}
+
+}  // namespace
+
+Fp8Activations fp8_activations(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+  const bool is_bf16 = x.scalar_type() == at::kBFloat16 && use_avx512_bf16();
+  Fp8Activations out = empty_activations(M, K, is_bf16);
   if (M == 0 || K == 0) {
     return out;
   }
-  if (x.scalar_type() == at::kBFloat16 && use_avx512_bf16()) {
-    out.bf16.resize(static_cast<size_t>(M * K));
-    const auto* data = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
+  if (is_bf16) {
+    const auto* src = x.const_data_ptr<c10::BFloat16>();
+    auto* dst = out.data.data_ptr<c10::BFloat16>();
     for (int64_t m = 0; m < M; ++m) {
-      std::memcpy(out.bf16.data() + m * K, data + m * ldx, K * sizeof(uint16_t));
+      std::memcpy(dst + m * out.ld, src + m * ldx, K * sizeof(c10::BFloat16));
     }
     return out;
   }
-  out.f32.resize(static_cast<size_t>(M * K));
+  float* dst = out.data.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fp8_activations", [&] {
     const scalar_t* data = x.const_data_ptr<scalar_t>();
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) {
-        for (int64_t k = 0; k < K; ++k) out.f32[m * K + k] = static_cast<float>(data[m * ldx + k]);
+        for (int64_t k = 0; k < K; ++k) dst[m * out.ld + k] = static_cast<float>(data[m * ldx + k]);
       }
     });
   });
@@ -68,22 +87,12 @@ Fp8Activations fp8_activations(const at::Tensor& x) {
 }
 
 Fp8Activations gather_rows(const Fp8Activations& src, const std::vector<int64_t>& index) {
-  Fp8Activations out;
-  out.rows = static_cast<int64_t>(index.size());
-  out.cols = src.cols;
-  const int64_t K = src.cols;
-  if (!src.bf16.empty()) {
-    out.bf16.resize(static_cast<size_t>(out.rows * K));
-  } else {
-    out.f32.resize(static_cast<size_t>(out.rows * K));
-  }
+  Fp8Activations out = empty_activations(static_cast<int64_t>(index.size()), src.cols, src.is_bf16);
+  const int64_t row_bytes = src.ld * static_cast<int64_t>(src.data.element_size());
+  const auto* from = static_cast<const char*>(src.data.const_data_ptr());
+  auto* to = static_cast<char*>(out.data.data_ptr());
   for (int64_t r = 0; r < out.rows; ++r) {
-    const int64_t from = index[static_cast<size_t>(r)];
-    if (!src.bf16.empty()) {
-      std::memcpy(out.bf16.data() + r * K, src.bf16.data() + from * K, K * sizeof(uint16_t));
-    } else if (K > 0) {
-      std::memcpy(out.f32.data() + r * K, src.f32.data() + from * K, K * sizeof(float));
-    }
+    std::memcpy(to + r * row_bytes, from + index[static_cast<size_t>(r)] * row_bytes, row_bytes);
   }
   return out;
 }
