@@ -47,6 +47,11 @@ void fp8_dot(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_
 // The float value of every e4m3fn byte (NaN for 0x7F / 0xFF).
 float e4m3_to_float(uint8_t byte);
 
+// out[(n - n0) * K + k] = e4m3(W[n, k]) * scale[n / block_n, k / block_k] in fp32 (rounded once)
+// for n0 <= n < n1. AVX-512 when use_avx512_bf16(), else portable; bit-identical.
+// Single-threaded.
+void fp8_dequantize(const Fp8Weight& w, int64_t n0, int64_t n1, float* out);
+
 }  // namespace mlafx
 
 namespace mlafx::avx512 {
@@ -57,5 +62,6 @@ void fp8_dot_bf16(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, i
                   float* out, int64_t ldo);
 void fp8_dot_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
                  float* out, int64_t ldo);
+void fp8_dequantize(const Fp8Weight& w, int64_t n0, int64_t n1, float* out);
 
 }  // namespace mlafx::avx512

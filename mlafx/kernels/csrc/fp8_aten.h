@@ -43,8 +43,13 @@ void check_fp8_weight(const char* op, const char* name, const at::Tensor& w,
 Fp8Weight fp8_view(const uint8_t* w, const float* scale, int64_t K, int64_t block_n,
                    int64_t block_k);
 
+// Rows of x from which the products dequantize the weight to fp32 and run an fp32 GEMM.
+constexpr int64_t kFp8GemmRows = 64;
+bool fp8_uses_gemm(int64_t M);
+
 // out[m * ldo + n] for n in [0, N): fp8_dot in parallel over the weight's rows (>= ~64 KB of
-// weight per thread).
+// weight per thread); with M >= kFp8GemmRows the weight dequantized to fp32 (w * s rounded
+// once) a tile of rows at a time and an fp32 GEMM (at::mm).
 void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
                      int64_t ldo);
 

@@ -59,6 +59,23 @@ void fp8_dot_portable(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n
 
 float e4m3_to_float(uint8_t byte) { return e4m3_table()[byte]; }
 
+void fp8_dequantize(const Fp8Weight& w, int64_t n0, int64_t n1, float* out) {
+  if (use_avx512_bf16()) {
+    avx512::fp8_dequantize(w, n0, n1, out);
+    return;
+  }
+  const std::array<float, 256>& table = e4m3_table();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.w + n * w.ldw;
+    const float* scale = w.scale + (n / w.block_n) * w.lds;
+    float* dst = out + (n - n0) * w.K;
+    for (int64_t k0 = 0, kb = 0; k0 < w.K; k0 += w.block_k, ++kb) {
+      const int64_t k1 = std::min(w.K, k0 + w.block_k);
+      for (int64_t k = k0; k < k1; ++k) dst[k] = table[row[k]] * scale[kb];
+    }
+  }
+}
+
 void fp8_dot(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
              float* out, int64_t ldo) {
   if (M <= 0 || n1 <= n0) {

@@ -422,6 +422,26 @@ void fp8_dot_bf16(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, i
   }
 }
 
+void fp8_dequantize(const Fp8Weight& W, int64_t n0, int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W.w + n * W.ldw;
+    const float* scale = W.scale + (n / W.block_n) * W.lds;
+    float* dst = out + (n - n0) * W.K;
+    for (int64_t k0 = 0, kb = 0; k0 < W.K; k0 += W.block_k, ++kb) {
+      const int64_t k1 = std::min(W.K, k0 + W.block_k);
+      const __m512 s = _mm512_set1_ps(scale[kb]);
+      for (int64_t k = k0; k < k1; k += 32) {
+        const __mmask32 mask = tail_mask(k1 - k);
+        const __m512i v = e4m3_to_bf16(_mm256_maskz_loadu_epi8(mask, row + k));
+        _mm512_mask_storeu_ps(dst + k, static_cast<__mmask16>(mask),
+                              _mm512_mul_ps(bf16_low_to_f32(v), s));
+        _mm512_mask_storeu_ps(dst + k + 16, static_cast<__mmask16>(mask >> 16),
+                              _mm512_mul_ps(bf16_high_to_f32(v), s));
+      }
+    }
+  }
+}
+
 void fp8_dot_f32(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
                  float* out, int64_t ldo) {
   int64_t m = 0;

@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -131,8 +133,53 @@ Fp8Weight fp8_view(const uint8_t* w, const float* scale, int64_t K, int64_t bloc
 
 int64_t fp8_row_grain(int64_t K) { return std::max<int64_t>(1, (int64_t{64} << 10) / std::max<int64_t>(K, 1)); }
 
+namespace {
+
+// Many rows of x: the weight dequantized to fp32 a tile of rows at a time (w * s, rounded once:
+// a relative 2^-24 per weight) and multiplied by an fp32 GEMM (at::mm: MKL/oneDNN), which
+// runs 3-4x faster than VDPBF16PS with the per-call widening at 1024 rows.
+constexpr int64_t kGemmTileRows = 1024;
+
+// x rows as an fp32 [M, K] tensor (a view of the fp32 rows, else a widened copy).
+at::Tensor rows_f32(const Fp8Rows& x, int64_t M, int64_t K) {
+  if (x.bf16 == nullptr) {
+    return at::from_blob(const_cast<float*>(x.f32), {M, K}, {x.ld, 1}, at::kFloat);
+  }
+  const at::Tensor bf16 = at::from_blob(const_cast<uint16_t*>(x.bf16), {M, K}, {x.ld, 1},
+                                        at::kBFloat16);
+  return bf16.to(at::kFloat);
+}
+
+// Rows [n0, n1) of the dequantized weight, fp32 [n1 - n0, K].
+at::Tensor dequantized_rows(const Fp8Weight& w, int64_t n0, int64_t n1) {
+  at::Tensor out = at::empty({n1 - n0, w.K}, at::kFloat);
+  float* data = out.data_ptr<float>();
+  at::parallel_for(n0, n1, std::max<int64_t>(1, fp8_row_grain(w.K) / 4), [&](int64_t a, int64_t b) {
+    fp8_dequantize(w, a, b, data + (a - n0) * w.K);
+  });
+  return out;
+}
+
+void gemm_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
+                      int64_t ldo) {
+  const at::Tensor x32 = rows_f32(x, M, w.K);
+  const at::Tensor dst = at::from_blob(out, {M, N}, {ldo, 1}, at::kFloat);
+  for (int64_t n0 = 0; n0 < N; n0 += kGemmTileRows) {
+    const int64_t n1 = std::min(N, n0 + kGemmTileRows);
+    dst.narrow(1, n0, n1 - n0).copy_(at::mm(x32, dequantized_rows(w, n0, n1).t()));
+  }
+}
+
+}  // namespace
+
+bool fp8_uses_gemm(int64_t M) { return M >= kFp8GemmRows; }
+
 void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
                      int64_t ldo) {
+  if (fp8_uses_gemm(M)) {
+    gemm_product_f32(w, x, M, N, out, ldo);
+    return;
+  }
   at::parallel_for(0, N, fp8_row_grain(w.K), [&](int64_t n0, int64_t n1) {
     fp8_dot(w, x, M, n0, n1, out + n0, ldo);
   });
@@ -192,12 +239,18 @@ at::Tensor linear_fp8(const at::Tensor& x,       // [M, K]
     const Fp8Activations xa = fp8_activations(x);
     const Fp8Weight w = fp8_view(static_cast<const uint8_t*>(weight.const_data_ptr()),
                                  scale.const_data_ptr<float>(), K, block_n, block_k);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_fp8", [&] {
-      scalar_t* out_data = out.data_ptr<scalar_t>();
-      at::parallel_for(0, N, fp8_row_grain(K), [&](int64_t n0, int64_t n1) {
-        run_range(w, xa, M, N, n0, n1, out_data);
+    if (fp8_uses_gemm(M)) {
+      at::Tensor full = at::empty({M, N}, at::kFloat);
+      fp8_product_f32(w, xa.view(), M, N, full.data_ptr<float>(), N);
+      out.copy_(full);
+    } else {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_fp8", [&] {
+        scalar_t* out_data = out.data_ptr<scalar_t>();
+        at::parallel_for(0, N, fp8_row_grain(K), [&](int64_t n0, int64_t n1) {
+          run_range(w, xa, M, N, n0, n1, out_data);
+        });
       });
-    });
+    }
   }
   if (has_bias) {
     out.add_(*bias);
