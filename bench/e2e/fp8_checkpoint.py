@@ -10,8 +10,11 @@ own quantizer), norms 1, the correction bias 0: the values ``init_dummy_weights`
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from mlafx.kernels.fp8_format import quantize_fp8
 from mlafx.models.deepseek import MLAForCausalLM
 
 BLOCK = (128, 128)
+_LIBC = ctypes.CDLL("libc.so.6")
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -101,6 +105,26 @@ def write_fp8_checkpoint(
         file = f"{shard}.safetensors"
         save_file(tensors, str(directory / file))
         weight_map |= dict.fromkeys(tensors, file)
+        del tensors
+        _LIBC.malloc_trim(0)  # the shard's (< 32 MB) tensors stay in glibc's heap otherwise
     index_file.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config_file.write_text(json.dumps(raw))  # last: a complete checkpoint is one with a config
     return directory
+
+
+def write_in_subprocess(model: str, hf_overrides: dict[str, Any], directory: Path) -> Path:
+    """``write_fp8_checkpoint`` in a child process: whatever its allocator keeps is returned
+    to the OS before the engine that serves the checkpoint loads it."""
+    args = [sys.executable, "-m", "bench.e2e.fp8_checkpoint", model, json.dumps(hf_overrides),
+            str(directory)]  # fmt: skip
+    subprocess.run(args, check=True, cwd=Path(__file__).resolve().parents[2])
+    return directory
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="write a dummy DeepSeek-layout FP8 checkpoint")
+    parser.add_argument("model")
+    parser.add_argument("hf_overrides", type=json.loads)
+    parser.add_argument("directory", type=Path)
+    cli = parser.parse_args()
+    write_fp8_checkpoint(cli.model, cli.hf_overrides, cli.directory)

@@ -37,7 +37,7 @@ if str(ROOT) not in sys.path:
 from bench import roofline as roofline_mod  # noqa: E402
 from bench.e2e import costs, report  # noqa: E402
 from bench.e2e.backends import MlafxStep, TransformersModel, blocks_needed  # noqa: E402
-from bench.e2e.fp8_checkpoint import write_fp8_checkpoint  # noqa: E402
+from bench.e2e.fp8_checkpoint import write_in_subprocess  # noqa: E402
 from bench.e2e.measure import peak_rss_bytes, reset_peak_rss, time_calls  # noqa: E402
 from bench.e2e.models import MODELS, mlafx_llm, transformers_twin  # noqa: E402
 from bench.e2e.plan import DEFAULT, QUANTIZED, QUICK, Plan  # noqa: E402
@@ -218,7 +218,7 @@ def run_quantized(run: Run, quantization: str, checkpoint_dir: Path | None) -> M
     if quantization == "fp8":
         directory = checkpoint_dir or RESULTS / f"fp8-{plan.model}"
         progress(f"writing (or reusing) the {plan.model} model as an FP8 checkpoint in {directory}")
-        write_fp8_checkpoint(EMBEDDED_DEFAULT_MODEL, MODELS[plan.model], directory)
+        write_in_subprocess(EMBEDDED_DEFAULT_MODEL, MODELS[plan.model], directory)
         run.checkpoint_bytes = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
         progress(f"building mlafx's engine on {directory} (its FP8 bytes)")
         reset_peak_rss()
