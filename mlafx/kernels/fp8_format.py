@@ -14,8 +14,10 @@ that dequantizes). e4m3fn has no infinities; its NaN is 0x7F / 0xFF; its largest
 The ops (``linear_fp8``, ``moe_experts_fp8``) keep these bytes and widen them in registers:
 every e4m3 value is exact in bfloat16, so ``x[m, k] * e4m3(W[n, k])`` is exact in fp32 for
 bf16, fp16 and fp32 x. Per k block the products are summed in fp32 and the sum is scaled
-once; the blocks' fp32 sum is rounded once to x's dtype. No activation rounding: the only
-differences from the float64 product of the dequantized weight are fp32 summation and the
+once; the blocks' fp32 sum is rounded once to x's dtype. From 64 rows of x the kernels
+instead dequantize a tile of weight rows to fp32 (``w * s`` rounded once: 2^-24 relative) and
+run an fp32 GEMM, the model's eager arithmetic. No activation rounding: the only differences
+from the float64 product of the dequantized weight are fp32 rounding and summation and the
 final rounding (``fp8_reference.py``).
 
 Expert stacks (``moe_experts_fp8``): ``w13`` [E, 2I, D] is each expert's gate rows then up
