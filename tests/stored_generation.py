@@ -1,12 +1,18 @@
 """What the stored-format tests share: a tiny DeepSeek-V3 config (every feature on: q LoRA,
-shared experts, grouped routing with a correction bias, a dense first layer) and one
-generation run that exercises chunked prefill and prefix-cache hits."""
+shared experts, grouped routing with a correction bias, a dense first layer), the writing of
+a checkpoint in a stored format beside its dequantized twin, and one generation run that
+exercises chunked prefill and prefix-cache hits."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
 
 import mlafx
 
@@ -68,3 +74,43 @@ def top_rows(output: mlafx.RequestOutput, vocab: int) -> torch.Tensor:
     for i, top in enumerate(output.outputs[0].logprobs):
         rows[i, list(top)] = torch.tensor(list(top.values()))
     return rows
+
+
+Tensors = dict[str, torch.Tensor]
+
+
+def write_stored_checkpoint(
+    directory: Path,
+    overrides: dict[str, Any],
+    seed: int,
+    quantize: Callable[[Tensors, Tensors], None],
+    quantization_config: dict[str, Any],
+    reference_dtype: torch.dtype | None = None,
+) -> torch.nn.Module:
+    """transformers' tiny DeepSeek-V3 (``TINY_V3`` with ``overrides``, seeded, a random
+    correction bias) saved twice: in ``directory`` with ``quantize(tensors, dequantized)``
+    rewriting its tensors into the stored format (and ``dequantized`` into what they mean) and
+    ``quantization_config`` in its config, and in ``directory / "dequantized"``. Returns
+    transformers' model over the dequantized weights."""
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(**{**TINY_V3, **overrides})
+    ).eval()
+    with torch.no_grad():
+        for module_name, buffer in model.named_buffers():
+            if module_name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.3, 0.3)
+    dequantized_dir = directory / "dequantized"
+    model.save_pretrained(directory)
+    model.save_pretrained(dequantized_dir)
+    tensors = load_file(directory / "model.safetensors")
+    dequantized = load_file(dequantized_dir / "model.safetensors")
+    quantize(tensors, dequantized)
+    for where, contents in ((directory, tensors), (dequantized_dir, dequantized)):
+        (where / "model.safetensors").unlink()  # a new inode: the loaded tensors may map the old
+        save_file(contents, str(where / "model.safetensors"))
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (directory / "config.json").write_text(json.dumps(config))
+    kwargs = {} if reference_dtype is None else {"dtype": reference_dtype}
+    return transformers.DeepseekV3ForCausalLM.from_pretrained(dequantized_dir, **kwargs).eval()

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
 import mlafx
@@ -30,7 +29,15 @@ from mlafx.kernels.fp8_format import dequantize_fp8, quantize_fp8
 from mlafx.models.fp8 import Fp8Experts, Fp8Linear
 from mlafx.models.weights import WeightLoadError
 from tests.greedy_compare import compare_greedy, transformers_greedy
-from tests.stored_generation import NEW_TOKENS, PROMPTS, TINY_V3, generate, logprobs_of, top_rows
+from tests.stored_generation import (
+    NEW_TOKENS,
+    PROMPTS,
+    TINY_V3,
+    generate,
+    logprobs_of,
+    top_rows,
+    write_stored_checkpoint,
+)
 
 # name -> (config overrides, weight_block_size)
 MODELS = {
@@ -63,35 +70,18 @@ def write_fp8_checkpoint(name: str, directory: Path) -> torch.nn.Module:
     """A tiny checkpoint in DeepSeek's FP8 layout; returns transformers' model over its
     dequantized weights (float32, saved beside it in ``directory / "dequantized"``)."""
     overrides, block = MODELS[name]
-    torch.manual_seed(2468)
-    model = transformers.DeepseekV3ForCausalLM(
-        transformers.DeepseekV3Config(**{**TINY_V3, **overrides})
-    ).eval()
-    with torch.no_grad():
-        for module_name, buffer in model.named_buffers():
-            if module_name.endswith("e_score_correction_bias"):
-                buffer.uniform_(-0.3, 0.3)
-    dequantized_dir = directory / "dequantized"
-    model.save_pretrained(directory)
-    model.save_pretrained(dequantized_dir)
-    tensors = load_file(directory / "model.safetensors")
-    dequantized = load_file(dequantized_dir / "model.safetensors")
-    quantized = [k for k in tensors if k.endswith("_proj.weight")]  # not lm_head, not the router
-    assert any(".experts." in k for k in quantized) and any("kv_b_proj" in k for k in quantized)
-    for key in quantized:
-        q, scale = quantize_fp8(tensors[key], tuple(block))
-        tensors[key] = q
-        tensors[key.removesuffix("weight") + "weight_scale_inv"] = scale
-        dequantized[key] = dequantize_fp8(q, scale, tuple(block)).to(dequantized[key].dtype)
-    for where, contents in ((directory, tensors), (dequantized_dir, dequantized)):
-        (where / "model.safetensors").unlink()  # a new inode: the loaded tensors may map the old
-        save_file(contents, str(where / "model.safetensors"))
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = _fp8_config(block)
-    (directory / "config.json").write_text(json.dumps(config))
-    return transformers.DeepseekV3ForCausalLM.from_pretrained(
-        dequantized_dir, dtype=torch.float32
-    ).eval()
+
+    def quantize(tensors: dict, dequantized: dict) -> None:
+        quantized = [k for k in tensors if k.endswith("_proj.weight")]  # not lm_head, the router
+        assert any(".experts." in k for k in quantized) and any("kv_b_proj" in k for k in quantized)
+        for key in quantized:
+            q, scale = quantize_fp8(tensors[key], tuple(block))
+            tensors[key] = q
+            tensors[key.removesuffix("weight") + "weight_scale_inv"] = scale
+            dequantized[key] = dequantize_fp8(q, scale, tuple(block)).to(dequantized[key].dtype)
+
+    return write_stored_checkpoint(directory, overrides, 2468, quantize, _fp8_config(block),
+                                   reference_dtype=torch.float32)  # fmt: skip
 
 
 def _compare_with_transformers(name, reference, outputs):

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from compressed_tensors.quantization import (
@@ -45,6 +44,7 @@ from tests.stored_generation import (
     generate,
     logprobs_of,
     top_rows,
+    write_stored_checkpoint,
 )
 
 # ---- the config -------------------------------------------------------------------------
@@ -205,35 +205,20 @@ def write_packed_checkpoint(name: str, directory: Path) -> torch.nn.Module:
     compressed-tensors; returns transformers' model over its dequantized weights
     (``_dequantized``, saved beside it in ``directory / "dequantized"``)."""
     overrides, scheme, ignore = MODELS[name]
-    torch.manual_seed(4321)
-    model = transformers.DeepseekV3ForCausalLM(
-        transformers.DeepseekV3Config(**TINY_V3, **overrides)
-    ).eval()
-    with torch.no_grad():
-        for module_name, buffer in model.named_buffers():
-            if module_name.endswith("e_score_correction_bias"):
-                buffer.uniform_(-0.3, 0.3)
-    dequantized_dir = directory / "dequantized"
-    model.save_pretrained(directory)
-    model.save_pretrained(dequantized_dir)
-    tensors = load_file(directory / "model.safetensors")
-    dequantized = load_file(dequantized_dir / "model.safetensors")
-    packed = _packed_module_names(list(tensors), ignore)
-    assert any(".experts." in m for m in packed)
-    for module_name in packed:
-        weight = tensors.pop(f"{module_name}.weight")
-        state = {"weight": weight, "weight_scale": _scale_of(weight, scheme)}
-        compressed = PackedQuantizationCompressor.compress(state, scheme)
-        for key, value in compressed.items():
-            tensors[f"{module_name}.{key}"] = value
-        dequantized[f"{module_name}.weight"] = _dequantized(compressed).to(weight.dtype)
-    for where, contents in ((directory, tensors), (dequantized_dir, dequantized)):
-        (where / "model.safetensors").unlink()  # a new inode: the loaded tensors may map the old
-        save_file(contents, str(where / "model.safetensors"))
-    config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = _quantization_config(scheme, ignore)
-    (directory / "config.json").write_text(json.dumps(config))
-    return transformers.DeepseekV3ForCausalLM.from_pretrained(dequantized_dir).eval()
+
+    def pack(tensors: dict, dequantized: dict) -> None:
+        packed = _packed_module_names(list(tensors), ignore)
+        assert any(".experts." in m for m in packed)
+        for module_name in packed:
+            weight = tensors.pop(f"{module_name}.weight")
+            state = {"weight": weight, "weight_scale": _scale_of(weight, scheme)}
+            compressed = PackedQuantizationCompressor.compress(state, scheme)
+            for key, value in compressed.items():
+                tensors[f"{module_name}.{key}"] = value
+            dequantized[f"{module_name}.weight"] = _dequantized(compressed).to(weight.dtype)
+
+    config = _quantization_config(scheme, ignore)
+    return write_stored_checkpoint(directory, overrides, 4321, pack, config)
 
 
 def _unrounded_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlafx.kernels.fp8_format import dequantize_fp8, dequantize_gate_up, linear_fp8_reference
-from mlafx.models.moe import grouped_by_expert
+from mlafx.models.moe import check_expert_ids, grouped_by_expert
 
 
 class Fp8Linear(nn.Module):
@@ -90,9 +90,7 @@ def moe_experts_fp8_reference(
     once; each product in float32 over the dequantized expert. An id outside ``[0, E)`` raises
     ``IndexError``."""
     num_experts = w13.shape[0]
-    flat_ids = topk_ids.reshape(-1)
-    if flat_ids.numel() and not (0 <= int(flat_ids.min()) and int(flat_ids.max()) < num_experts):
-        raise IndexError(f"topk_ids out of range for {num_experts} experts")
+    check_expert_ids(topk_ids, num_experts)
 
     def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
         gate_up_w = dequantize_gate_up(w13[expert], w13_scale[expert], block)

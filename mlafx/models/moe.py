@@ -102,6 +102,13 @@ def routed_experts_reference(
     return grouped_by_expert(x, topk_ids, topk_weights, w13.shape[0], expert_mlp)
 
 
+def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """``IndexError`` unless every id is in ``[0, num_experts)`` (the experts ops' contract)."""
+    flat_ids = topk_ids.reshape(-1)
+    if flat_ids.numel() and not (0 <= int(flat_ids.min()) and int(flat_ids.max()) < num_experts):
+        raise IndexError(f"topk_ids out of range for {num_experts} experts")
+
+
 def grouped_by_expert(
     x: torch.Tensor,  # [T, D]
     topk_ids: torch.Tensor,  # [T, k]

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlafx.kernels.quant_format import BITS, linear_quantized_reference, packed_shape
-from mlafx.models.moe import RoutedExperts, grouped_by_expert
+from mlafx.models.moe import RoutedExperts, check_expert_ids, grouped_by_expert
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,7 @@ def moe_experts_quantized_reference(
     ``sum_j topk_weights * y`` in float32, rounded once. An id outside ``[0, E)`` raises
     ``IndexError``."""
     num_experts = w13.shape[0]
-    flat_ids = topk_ids.reshape(-1)
-    if flat_ids.numel() and not (0 <= int(flat_ids.min()) and int(flat_ids.max()) < num_experts):
-        raise IndexError(f"topk_ids out of range for {num_experts} experts")
+    check_expert_ids(topk_ids, num_experts)
 
     def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
         gate_up = linear_quantized_reference(rows, w13[expert], 2 * intermediate_size)
