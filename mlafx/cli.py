@@ -57,7 +57,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that choose and shape the model, shared by the subcommands."""
     parser.add_argument(
         "--model",
-        help="preset name or local model directory "
+        help="preset name, local model directory or .gguf file "
         "(default: the embedded shrunk DeepSeek-V2-Lite with dummy weights)",
     )
     parser.add_argument(

@@ -77,7 +77,14 @@ def weight_bytes(
 ) -> int:
     """The weights' bytes once loaded: a checkpoint's ``stored`` quantized format
     (``config/stored_quantization.py``) as stored, ``quantization`` ("int8" / "int4", every
-    other linear but ``kv_b_proj``; a tied lm_head gets its own copy), the rest in ``dtype``."""
+    other linear but ``kv_b_proj``; a tied lm_head gets its own copy), the rest in ``dtype``.
+    A GGUF file (``GgufFile``): its tensors as ``gguf_resident_bytes`` counts them."""
+    from mlafx.config.gguf_file import GgufFile
+
+    if isinstance(stored, GgufFile):
+        from mlafx.config.gguf_config import gguf_resident_bytes
+
+        return gguf_resident_bytes(stored, size_of=dtype_bytes(dtype))
     kinds = parameter_kinds(cfg)
     size = dtype_bytes(dtype)
     total = (kinds["kept"] + kinds["kv_b"]) * size + kinds["fp32"] * 4.0

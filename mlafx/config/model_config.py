@@ -199,14 +199,20 @@ class ModelConfig:
 
 
 def load_hf_config_dict(model: str | Path) -> dict[str, Any]:
-    """The raw config dict of a preset name or a local model directory."""
+    """The raw config dict of a preset name, a local model directory or a GGUF file
+    (``config/gguf_config.py``)."""
     if isinstance(model, str) and model in PRESETS:
         return json.loads(json.dumps(PRESETS[model]))  # a deep copy
+    if str(model).endswith(".gguf"):
+        from mlafx.config.gguf_config import gguf_config_dict
+        from mlafx.config.gguf_file import open_gguf
+
+        return gguf_config_dict(open_gguf(model))
     path = Path(model)
     if not path.is_dir():
         raise ConfigError(
-            f"model {str(model)!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-            "nor a local directory (weights cannot be downloaded here)"
+            f"model {str(model)!r} is neither a preset ({', '.join(sorted(PRESETS))}), "
+            "a local directory nor a .gguf file (weights cannot be downloaded here)"
         )
     cfg_file = path / "config.json"
     if not cfg_file.is_file():

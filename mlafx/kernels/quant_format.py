@@ -165,11 +165,12 @@ def dequantize_weight(packed: torch.Tensor, out_features: int, in_features: int)
     return w.reshape(w.shape[0], -1)[:out_features, :in_features]
 
 
-# ---- GGUF (llama.cpp) Q8_0 / Q4_0 tensors -----------------------------------------------
+# ---- GGUF (llama.cpp) Q8_0 / Q4_0 / Q5_0 tensors -----------------------------------------
 #
 # A GGUF Q8_0 row is K/32 blocks of 34 bytes: float16 d, then 32 int8 q (w = d * q); a Q4_0
 # row K/32 blocks of 18 bytes: float16 d, then 16 bytes whose low nibble is element j and high
-# nibble element j + 16 (w = d * (q - 8)). Both are exactly our groups, re-laid out.
+# nibble element j + 16 (w = d * (q - 8)). Both are exactly our groups, re-laid out; so is
+# Q5_0 (w = d * (q - 16), q < 32) as int8 groups.
 
 
 def _ggml_groups(
@@ -209,12 +210,52 @@ def repack_ggml_q8_0(blocks: torch.Tensor, out_features: int, in_features: int) 
     return _pack_padded(quants.contiguous().view(torch.int8).to(torch.int16), d, 8, 0)
 
 
-def repack_ggml_q4_0(blocks: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """GGUF Q4_0 data uint8 [N, K/32 * 18] -> packed int4 [ceil(N/16), K/32, 288], lossless."""
+def _q4_0_values(blocks: torch.Tensor, out_features: int, in_features: int):
     quants, d = _ggml_groups(blocks, out_features, in_features, GROUP // 2)
     nibbles = quants.to(torch.int16)
-    q = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1)  # elements j, then j + 16
+    return torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1), d  # elements j, then j + 16
+
+
+def repack_ggml_q4_0(
+    blocks: torch.Tensor, out_features: int, in_features: int, bits: int = 4
+) -> torch.Tensor:
+    """GGUF Q4_0 data uint8 [N, K/32 * 18] -> packed int4 [ceil(N/16), K/32, 288] (or, with
+    ``bits=8``, int8 [.., 544]: q - 8 in [-8, 7] is an int8 value), lossless."""
+    q, d = _q4_0_values(blocks, out_features, in_features)
+    if bits == 8:
+        return _pack_padded(q - 8, d, 8, 0)
     return _pack_padded(q, d, 4, 8)
+
+
+def repack_ggml_q5_0(blocks: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """GGUF Q5_0 data uint8 [N, K/32 * 22] -> packed int8 [ceil(N/16), K/32, 544], lossless.
+
+    A Q5_0 block is float16 d, a little-endian uint32 ``qh`` of fifth bits (bit j for element
+    j), then 16 bytes of low nibbles as Q4_0's; w = d * (q - 16) with q in [0, 31], so q - 16
+    is an int8 value under the same scale."""
+    quants, d = _ggml_groups(blocks, out_features, in_features, 4 + GROUP // 2)
+    qh = quants[..., :4].contiguous().view(torch.int32).to(torch.int64)  # [N, G, 1]
+    bit = (qh >> torch.arange(GROUP, dtype=torch.int64)) & 1  # [N, G, 32]
+    nibbles = quants[..., 4:].to(torch.int16)
+    low = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1)
+    return _pack_padded(low + (bit.to(torch.int16) << 4) - 16, d, 8, 0)
+
+
+# GGUF block types that repack into mlafx's layouts without loss -> the bits they can take
+GGML_LOSSLESS_BITS = {"Q8_0": (8,), "Q4_0": (4, 8), "Q5_0": (8,)}
+
+
+def repack_ggml(
+    type_name: str, blocks: torch.Tensor, out_features: int, in_features: int, bits: int
+) -> torch.Tensor:
+    """A GGUF Q8_0 / Q4_0 / Q5_0 weight [N, K] (its raw uint8 rows) -> packed int``bits``."""
+    if bits not in GGML_LOSSLESS_BITS.get(type_name, ()):
+        raise ValueError(f"GGUF {type_name} does not repack into int{bits} without loss")
+    if type_name == "Q8_0":
+        return repack_ggml_q8_0(blocks, out_features, in_features)
+    if type_name == "Q5_0":
+        return repack_ggml_q5_0(blocks, out_features, in_features)
+    return repack_ggml_q4_0(blocks, out_features, in_features, bits)
 
 
 # ---- compressed-tensors pack-quantized int4 -----------------------------------------------

@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 
 from mlafx.config import ModelConfig
+from mlafx.config.gguf_file import GgufFile, is_gguf, open_gguf
 from mlafx.config.model_config import load_hf_config_dict
 from mlafx.config.stored_quantization import (
     BlockFp8,
@@ -22,6 +23,7 @@ from mlafx.models.block_fp8_checkpoint import (
     plan_block_fp8,
 )
 from mlafx.models.deepseek import MLAForCausalLM
+from mlafx.models.gguf_checkpoint import install_gguf_modules, load_gguf, plan_gguf
 from mlafx.models.moe import Router
 from mlafx.models.packed_int4_checkpoint import (
     install_packed_modules,
@@ -45,9 +47,13 @@ def torch_dtype(name: str) -> torch.dtype:
         ) from None
 
 
-def servable_stored_quantization(model_dir: str | Path) -> StoredQuantization | None:
+def servable_stored_quantization(
+    model_dir: str | Path,
+) -> StoredQuantization | GgufFile | None:
     """The quantized format checkpoint ``model_dir`` is stored in (None: unquantized); one
-    ``ConfigError`` line for a format mlafx does not serve."""
+    ``ConfigError`` line for a format mlafx does not serve. A GGUF file: its ``GgufFile``."""
+    if is_gguf(model_dir):
+        return open_gguf(model_dir)
     return stored_quantization(load_hf_config_dict(model_dir))
 
 
@@ -92,6 +98,8 @@ def build_model(
     for module in model.modules():
         if isinstance(module, Router):
             module.float()
+    if load_format == "auto" and is_gguf(model_dir):
+        return _build_from_gguf(model, cfg, model_dir, progress, quantization)
     packed = None
     if load_format == "auto":
         stored = servable_stored_quantization(model_dir)
@@ -125,8 +133,32 @@ def build_model(
             load_packed_int4(model, packed, progress=progress)
     if quantizer is not None:
         quantizer.check_done()
+    return _finished(model)
+
+
+def _finished(model: MLAForCausalLM) -> MLAForCausalLM:
     model.reset_rope()  # a non-persistent buffer: not in the state_dict, not in checkpoints
     unfilled = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if unfilled:
         raise RuntimeError(f"tensors left on the meta device after loading: {unfilled[:5]}")
     return model.eval().requires_grad_(False)
+
+
+def _build_from_gguf(
+    model: MLAForCausalLM,
+    cfg: ModelConfig,
+    path: str | Path,
+    progress: bool,
+    quantization: Quantization | None,
+) -> MLAForCausalLM:
+    """The model over a GGUF file's tensors (``models/gguf_checkpoint.py``)."""
+    if quantization is not None:
+        raise ValueError(
+            f"quantization={quantization!r} does not apply to a GGUF file: its tensors run in "
+            "the types the file stores (see the README's GGUF section)"
+        )
+    gguf = open_gguf(path)
+    plan = plan_gguf(model, gguf, cfg)
+    install_gguf_modules(model, plan)
+    load_gguf(model, plan, cfg, progress=progress)
+    return _finished(model)

@@ -1,4 +1,5 @@
-"""Optional text support: a model directory's ``tokenizer.json`` (HF ``tokenizers``)."""
+"""Optional text support: a model directory's ``tokenizer.json`` (HF ``tokenizers``), or a GGUF
+file's tokenizer metadata (``runtime/gguf_tokenizer.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ from typing import Any
 
 
 def load_tokenizer(model: str | Path) -> Any | None:
-    """The directory's tokenizer, or None when there is none (token-id prompts only)."""
+    """The directory's (or GGUF file's) tokenizer, or None when there is none (token-id
+    prompts only)."""
+    if str(model).endswith(".gguf"):
+        from mlafx.config.gguf_file import open_gguf
+        from mlafx.runtime.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(open_gguf(model))
     path = Path(model) / "tokenizer.json"
     if not path.is_file():
         return None

@@ -1,0 +1,479 @@
+"""Load a GGUF file's tensors (``config/gguf_file.py``) into an mlafx model, from their bytes.
+
+Names: llama.cpp's ``deepseek2`` tensors (``_GLOBAL``, ``_PER_LAYER``) map onto the model's
+``state_dict`` keys; the fused expert stacks ``blk.N.ffn_{gate,up}_exps`` [E, I, D] fill
+``experts.gate_up_proj`` [E, 2I, D] (gate rows first) and ``ffn_down_exps`` ``down_proj``;
+``kv_b_proj`` comes from ``attn_kv_b`` [H(P+V), Lkv] or from the split pair ``attn_k_b``
+[H, Lkv, P] (stored transposed per head) and ``attn_v_b`` [H, V, Lkv].
+
+How each lands (``GgufPlan``, found from the header before any byte is read):
+- **repacked** (lossless, ``kernels/quant_format.repack_ggml``): a linear (not ``kv_b_proj``)
+  or a whole expert stack stored as Q8_0, Q4_0 or Q5_0 becomes a ``QuantizedLinear`` /
+  ``QuantizedExperts`` over the same groups of 32 weights and float16 scale (Q4_0 as int4;
+  Q8_0 and Q5_0 as int8, and Q4_0 too in a stack whose other parts need int8).
+- **mapped**: a tensor stored in the target's dtype (F32 / F16 / BF16) and shape is the
+  target, over a private mapping of its bytes (``safetensors_file.map_bytes``): never copied.
+- **dequantized** into the target's dtype: everything else (the embedding, norms, router,
+  ``kv_b_proj``, and any linear whose type mlafx does not run from its bytes: Q4_1, Q5_1, the
+  K-quants, ...) with ``gguf.quants.dequantize`` (llama.cpp's own decoding), a chunk of rows
+  at a time. Linears and experts widened this way are logged by name with the extra bytes.
+
+Every missing, unexpected or mis-shaped tensor is reported by name in one ``WeightLoadError``
+before anything is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from mlafx.config import ModelConfig
+from mlafx.config.gguf_file import GgufFile, GgufTensor
+from mlafx.kernels.quant_format import GGML_LOSSLESS_BITS, packed_shape, repack_ggml
+from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
+from mlafx.models.safetensors_file import map_bytes
+from mlafx.models.weights import WeightLoadError
+
+logger = logging.getLogger(__name__)
+
+_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+# model.layers.{i}.<key> <- blk.{i}.<name>
+_PER_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+_GATE_UP = "mlp.experts.gate_up_proj"  # <- ffn_gate_exps + ffn_up_exps
+_KV_B = "self_attn.kv_b_proj.weight"  # <- attn_kv_b, or attn_k_b + attn_v_b
+_PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_KEPT = ("kv_b_proj",)  # linears kept in the model dtype (models/quantized.py)
+_CHUNK_BYTES = 64 << 20  # fp32 scratch per dequantized chunk of rows
+
+
+@dataclass(frozen=True)
+class _Fill:
+    """A model-dtype target filled from GGUF tensors: one, gate + up (``gate_up``), or the
+    split k_b + v_b pair (``kv_b``)."""
+
+    target: str
+    sources: tuple[GgufTensor, ...]
+    kind: str = "plain"  # "plain" | "gate_up" | "kv_b"
+
+
+@dataclass(frozen=True)
+class _Repack:
+    """A linear (``sources`` = its weight) or an expert stack (gate, up, down) repacked."""
+
+    module: str
+    sources: tuple[GgufTensor, ...]
+    bits: int
+
+
+@dataclass
+class GgufPlan:
+    gguf: GgufFile
+    fills: list[_Fill] = field(default_factory=list)
+    linears: list[_Repack] = field(default_factory=list)
+    experts: list[_Repack] = field(default_factory=list)
+    widened: list[tuple[str, int]] = field(default_factory=list)  # (tensor, extra bytes)
+
+    def resident_bytes(self, model: nn.Module) -> int:
+        """The weights' bytes once loaded (mapped ones included)."""
+        total = sum(_fill_nbytes(model, f) for f in self.fills)
+        for r in self.linears:
+            total += _packed_nbytes(r.sources[0].shape, r.bits)
+        for r in self.experts:
+            gate, up, down = r.sources
+            e, i, d = gate.shape
+            total += e * (
+                _packed_nbytes((2 * i, d), r.bits) + _packed_nbytes(down.shape[1:], r.bits)
+            )
+        return total
+
+
+def _packed_nbytes(shape: tuple[int, ...], bits: int) -> int:
+    blocks, groups, size = packed_shape(shape[-2], shape[-1], bits)
+    return blocks * groups * size
+
+
+def _fill_nbytes(model: nn.Module, fill: _Fill) -> int:
+    target = _lookup(model, fill.target)
+    return target.numel() * target.element_size()
+
+
+def _lookup(model: nn.Module, name: str) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(owner), leaf)
+
+
+def _source_names(cfg: ModelConfig, key: str) -> str | None:
+    """The GGUF tensor of a model key (None: not a one-to-one key)."""
+    if key in _GLOBAL:
+        return _GLOBAL[key]
+    if not key.startswith("model.layers."):
+        return None
+    layer, _, rest = key.removeprefix("model.layers.").partition(".")
+    name = _PER_LAYER.get(rest)
+    if name is None and rest.endswith(".bias"):  # a linear's bias beside its weight
+        weight = _PER_LAYER.get(rest.removesuffix(".bias") + ".weight")
+        name = None if weight is None else weight.removesuffix(".weight") + ".bias"
+    return None if name is None else f"blk.{layer}.{name}"
+
+
+def _canonical_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict key -> tensor, one name per tensor (a tied lm_head is the embedding)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if id(tensor) in seen or name.endswith("inv_freq"):
+            continue
+        seen.add(id(tensor))
+        out[name] = tensor
+    return out
+
+
+def _widened_bytes(target_shape: tuple[int, ...], dtype: torch.dtype, src: list[GgufTensor]):
+    n = 1
+    for d in target_shape:
+        n *= d
+    return n * dtype.itemsize - sum(s.length for s in src)
+
+
+def plan_gguf(model: nn.Module, gguf: GgufFile, cfg: ModelConfig) -> GgufPlan:
+    """Match the file's tensors to ``model`` (on the meta device) from the header alone; raise
+    ``WeightLoadError`` with every problem."""
+    plan = GgufPlan(gguf)
+    tensors = gguf.tensors
+    used: set[str] = set()
+    problems: list[str] = []
+    modules = dict(model.named_modules())
+
+    def take(name: str, shape: tuple[int, ...] | None, what: str) -> GgufTensor | None:
+        tensor = tensors.get(name)
+        if tensor is None:
+            problems.append(f"{name}: missing from the GGUF file (for {what})")
+            return None
+        used.add(name)
+        if shape is not None and tensor.shape != shape:
+            problems.append(
+                f"{name}: shape {list(tensor.shape)} != expected {list(shape)} (for {what})"
+            )
+            return None
+        return tensor
+
+    for key, target in _canonical_targets(model).items():
+        shape = tuple(target.shape)
+        owner = key.rpartition(".")[0]
+        if key.endswith("." + _GATE_UP) or key == _GATE_UP:
+            layer = key.split(".")[2]
+            e, two_i, d = shape
+            gate = take(f"blk.{layer}.ffn_gate_exps.weight", (e, two_i // 2, d), key)
+            up = take(f"blk.{layer}.ffn_up_exps.weight", (e, two_i // 2, d), key)
+            down_key = key.replace("gate_up_proj", "down_proj")
+            down = take(
+                f"blk.{layer}.ffn_down_exps.weight", tuple(_lookup(model, down_key).shape), down_key
+            )
+            if gate is None or up is None or down is None:
+                continue
+            bits = _stack_bits((gate, up, down))
+            if bits is not None:
+                plan.experts.append(_Repack(owner, (gate, up, down), bits))
+                continue
+            plan.fills.append(_Fill(key, (gate, up), "gate_up"))
+            plan.fills.append(_Fill(down_key, (down,)))
+            for t in (gate, up, down):
+                if t.type_name not in _PLAIN:
+                    plan.widened.append((t.name, _widened_bytes(t.shape, target.dtype, [t])))
+            continue
+        if key.endswith(".mlp.experts.down_proj"):
+            continue  # with its gate_up stack above
+        if key.endswith(_KV_B):
+            layer = key.split(".")[2]
+            joined = f"blk.{layer}.attn_kv_b.weight"
+            if joined in tensors:
+                source = take(joined, shape, key)
+                if source is not None:
+                    plan.fills.append(_Fill(key, (source,)))
+                continue
+            h, p, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+            lkv = cfg.kv_lora_rank
+            if f"blk.{layer}.attn_k_b.weight" not in tensors:
+                problems.append(
+                    f"{joined}: missing from the GGUF file, and so is the split pair "
+                    f"blk.{layer}.attn_k_b.weight / attn_v_b.weight (for {key})"
+                )
+                continue
+            k_b = take(f"blk.{layer}.attn_k_b.weight", (h, lkv, p), key)
+            v_b = take(f"blk.{layer}.attn_v_b.weight", (h, v, lkv), key)
+            if k_b is not None and v_b is not None:
+                plan.fills.append(_Fill(key, (k_b, v_b), "kv_b"))
+            continue
+        name = _source_names(cfg, key)
+        if name is None:
+            problems.append(f"{key}: mlafx has no GGUF tensor name for this model tensor")
+            continue
+        source = take(name, shape, key)
+        if source is None:
+            continue
+        linear = modules.get(owner)
+        leaf = owner.rpartition(".")[2]
+        is_weight = key.endswith(".weight") and isinstance(linear, nn.Linear)
+        bits = GGML_LOSSLESS_BITS.get(source.type_name)
+        if (
+            is_weight
+            and leaf not in _KEPT
+            and bits
+            and linear.bias is None
+            and key != "model.embed_tokens.weight"
+        ):
+            plan.linears.append(_Repack(owner, (source,), bits[0]))
+            continue
+        plan.fills.append(_Fill(key, (source,)))
+        if is_weight and leaf not in _KEPT and source.type_name not in _PLAIN:
+            plan.widened.append((name, _widened_bytes(shape, target.dtype, [source])))
+    extra = sorted(set(tensors) - used)
+    layers = cfg.num_hidden_layers
+    skipped = [n for n in extra if n.startswith("blk.") and int(n.split(".")[1]) >= layers]
+    problems += [
+        f"{n}: a GGUF tensor the model has no place for" for n in extra if n not in skipped
+    ]
+    if problems:
+        raise WeightLoadError(problems)
+    if skipped:
+        logger.info("skipped %d GGUF tensors of layers >= %d", len(skipped), layers)
+    if plan.widened:
+        logger.warning(
+            "GGUF tensors of types mlafx does not run from their own bytes, dequantized to "
+            "the model dtype (+%.1f MiB): %s",
+            sum(b for _, b in plan.widened) / 2**20,
+            ", ".join(f"{n} (+{b / 2**20:.2f} MiB)" for n, b in plan.widened),
+        )
+    return plan
+
+
+def _stack_bits(parts: tuple[GgufTensor, ...]) -> int | None:
+    """The int format an expert stack repacks into without loss (None: dequantized)."""
+    options = [set(GGML_LOSSLESS_BITS.get(t.type_name, ())) for t in parts]
+    common = set.intersection(*options)
+    if not common:
+        return None
+    return min(common)
+
+
+def install_gguf_modules(model: nn.Module, plan: GgufPlan) -> None:
+    """Swap each repacked linear / expert stack for its quantized module (buffers on meta)."""
+    from mlafx.models.packed_int4_checkpoint import replace_module
+
+    for r in plan.linears:
+        n, k = r.sources[0].shape
+        meta = torch.empty(packed_shape(n, k, r.bits), dtype=torch.uint8, device="meta")
+        replace_module(model, r.module, QuantizedLinear(k, n, meta))
+    for r in plan.experts:
+        e, i, d = r.sources[0].shape
+        gate_up = torch.empty(
+            (e, *packed_shape(2 * i, d, r.bits)), dtype=torch.uint8, device="meta"
+        )
+        down = torch.empty((e, *packed_shape(d, i, r.bits)), dtype=torch.uint8, device="meta")
+        replace_module(model, r.module, QuantizedExperts(i, gate_up, down))
+
+
+class _Reader:
+    """Maps GGUF tensors' bytes, one descriptor per file kept open for the load."""
+
+    def __init__(self) -> None:
+        self.fds: dict[Path, int] = {}
+
+    def raw(self, tensor: GgufTensor) -> torch.Tensor:
+        if tensor.file not in self.fds:
+            self.fds[tensor.file] = os.open(tensor.file, os.O_RDONLY | os.O_CLOEXEC)
+        return map_bytes(self.fds[tensor.file], tensor.offset, tensor.length)
+
+    def rows(self, tensor: GgufTensor) -> torch.Tensor:
+        """uint8 [..., row bytes]: each innermost row of the tensor."""
+        raw = self.raw(tensor)
+        return raw.view(
+            *tensor.shape[:-1], tensor.length // max(1, tensor.numel // tensor.shape[-1])
+        )
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def _row_chunks(rows: int, row_elems: int) -> Iterator[slice]:
+    step = max(1, _CHUNK_BYTES // (4 * max(1, row_elems)))
+    for start in range(0, rows, step):
+        yield slice(start, min(rows, start + step))
+
+
+def dequantize_into(out: torch.Tensor, reader: _Reader, tensor: GgufTensor) -> None:
+    """``out`` (the tensor's shape, any float dtype) <- the tensor's values."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    if tensor.type_name in _PLAIN:
+        raw = reader.raw(tensor)
+        if tensor.offset % _PLAIN[tensor.type_name].itemsize:
+            raw = raw.clone()
+        out.copy_(raw.view(_PLAIN[tensor.type_name]).view(tensor.shape))
+        return
+    qtype = GGMLQuantizationType[tensor.type_name]
+    rows = reader.rows(tensor)
+    k = tensor.shape[-1]
+    flat_rows = rows.reshape(-1, rows.shape[-1])
+    flat_out = out.view(-1, k)
+    for chunk in _row_chunks(flat_rows.shape[0], k):
+        values = dequantize(flat_rows[chunk].numpy(), qtype)
+        flat_out[chunk] = torch.from_numpy(np.ascontiguousarray(values))
+
+
+def _fill(model: nn.Module, fill: _Fill, reader: _Reader, cfg: ModelConfig) -> None:
+    owner_name, _, leaf = fill.target.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    current = getattr(owner, leaf)
+    dtype, shape = current.dtype, tuple(current.shape)
+    (first, *_) = fill.sources
+    if (
+        fill.kind == "plain"
+        and _PLAIN.get(first.type_name) == dtype
+        and first.offset % dtype.itemsize == 0
+    ):
+        value = reader.raw(first).view(dtype).view(shape)  # mapped, never copied
+    else:
+        value = torch.empty(shape, dtype=dtype)
+        if fill.kind == "plain":
+            dequantize_into(value, reader, first)
+        elif fill.kind == "gate_up":
+            i = shape[1] // 2
+            gate, up = fill.sources
+            for e in range(shape[0]):  # expert by expert: bounded scratch
+                _dequantize_expert(value[e, :i], reader, gate, e)
+                _dequantize_expert(value[e, i:], reader, up, e)
+        else:
+            _kv_b_from_split(value, reader, fill.sources, cfg)
+    _set(owner, leaf, current, value)
+
+
+def _dequantize_expert(out: torch.Tensor, reader: _Reader, stack: GgufTensor, e: int) -> None:
+    one = _expert_slice(stack, e)
+    dequantize_into(out, reader, one)
+
+
+def _expert_slice(stack: GgufTensor, e: int) -> GgufTensor:
+    """Expert ``e`` of a stack [E, N, K] as a tensor of its own [N, K] (its byte range)."""
+    from dataclasses import replace
+
+    per = stack.length // stack.shape[0]
+    return replace(
+        stack,
+        name=f"{stack.name}[{e}]",
+        shape=stack.shape[1:],
+        offset=stack.offset + e * per,
+        length=per,
+    )
+
+
+def _kv_b_from_split(out: torch.Tensor, reader: _Reader, sources, cfg: ModelConfig) -> None:
+    """kv_b_proj [H(P+V), Lkv] <- k_b [H, Lkv, P] (transposed per head) and v_b [H, V, Lkv]."""
+    k_b, v_b = sources
+    h, p, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    k = torch.empty(k_b.shape, dtype=torch.float32)
+    dequantize_into(k, reader, k_b)
+    vv = torch.empty(v_b.shape, dtype=torch.float32)
+    dequantize_into(vv, reader, v_b)
+    heads = out.view(h, p + v, cfg.kv_lora_rank)
+    heads[:, :p] = k.transpose(1, 2)
+    heads[:, p:] = vv
+
+
+def _set(owner: nn.Module, leaf: str, current: torch.Tensor, value: torch.Tensor) -> None:
+    if isinstance(current, nn.Parameter):
+        setattr(owner, leaf, nn.Parameter(value, requires_grad=False))
+    else:
+        owner._buffers[leaf] = value
+
+
+def _repack_linear(module: QuantizedLinear, reader: _Reader, r: _Repack) -> None:
+    (source,) = r.sources
+    n, k = source.shape
+    module.qweight = repack_ggml(source.type_name, reader.rows(source), n, k, r.bits)
+
+
+def _repack_experts(module: QuantizedExperts, reader: _Reader, r: _Repack) -> None:
+    gate, up, down = r.sources
+    e, i, d = gate.shape
+    gate_up = torch.empty(module.gate_up_qweight.shape, dtype=torch.uint8)
+    down_q = torch.empty(module.down_qweight.shape, dtype=torch.uint8)
+    for x in range(e):
+        if gate.type_name == up.type_name:
+            rows = torch.cat(
+                [reader.rows(_expert_slice(gate, x)), reader.rows(_expert_slice(up, x))]
+            )
+            gate_up[x] = repack_ggml(gate.type_name, rows, 2 * i, d, r.bits)
+        else:  # two types: unpack each, pack the [2I, D] weight once
+            from mlafx.kernels.quant_format import dequantize_weight, quantize_weight_ref
+
+            both = torch.cat(
+                [
+                    dequantize_weight(
+                        repack_ggml(t.type_name, reader.rows(_expert_slice(t, x)), i, d, r.bits),
+                        i,
+                        d,
+                    )
+                    for t in (gate, up)
+                ]
+            )
+            gate_up[x] = quantize_weight_ref(both, r.bits)
+        down_q[x] = repack_ggml(down.type_name, reader.rows(_expert_slice(down, x)), d, i, r.bits)
+    module.gate_up_qweight, module.down_qweight = gate_up, down_q
+
+
+def load_gguf(model: nn.Module, plan: GgufPlan, cfg: ModelConfig, *, progress: bool = True) -> None:
+    """Fill every tensor of ``model`` from the file, as planned."""
+    total = len(plan.fills) + len(plan.linears) + len(plan.experts)
+    bar = tqdm(
+        total=total, desc="loading GGUF", unit="tensor", file=sys.stderr, disable=not progress
+    )
+    reader = _Reader()
+    try:
+        with torch.no_grad(), bar:
+            for r in plan.linears:
+                _repack_linear(model.get_submodule(r.module), reader, r)
+                bar.update()
+            for r in plan.experts:
+                _repack_experts(model.get_submodule(r.module), reader, r)
+                bar.update()
+            for f in plan.fills:
+                _fill(model, f, reader, cfg)
+                bar.update()
+    finally:
+        reader.close()
