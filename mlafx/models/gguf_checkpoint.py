@@ -38,7 +38,12 @@ from tqdm import tqdm
 
 from mlafx.config import ModelConfig
 from mlafx.config.gguf_file import GgufFile, GgufTensor
-from mlafx.kernels.quant_format import GGML_LOSSLESS_BITS, packed_shape, repack_ggml
+from mlafx.kernels.quant_format import (
+    BLOCK_ROWS,
+    GGML_LOSSLESS_BITS,
+    packed_shape,
+    repack_ggml,
+)
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 from mlafx.models.safetensors_file import map_bytes
 from mlafx.models.weights import WeightLoadError
@@ -77,6 +82,7 @@ _KV_B = "self_attn.kv_b_proj.weight"  # <- attn_kv_b, or attn_k_b + attn_v_b
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _KEPT = ("kv_b_proj",)  # linears kept in the model dtype (models/quantized.py)
 _CHUNK_BYTES = 64 << 20  # fp32 scratch per dequantized chunk of rows
+_REPACK_ROWS = 256 * BLOCK_ROWS  # rows repacked at once (a multiple of the 16-row blocks)
 
 
 @dataclass(frozen=True)
@@ -423,9 +429,17 @@ def _set(owner: nn.Module, leaf: str, current: torch.Tensor, value: torch.Tensor
 
 
 def _repack_linear(module: QuantizedLinear, reader: _Reader, r: _Repack) -> None:
+    """A chunk of rows at a time: the repack's int16 scratch is ~4x the packed bytes, which for
+    a vocabulary-sized lm_head would be a transient gigabyte."""
     (source,) = r.sources
     n, k = source.shape
-    module.qweight = repack_ggml(source.type_name, reader.rows(source), n, k, r.bits)
+    rows = reader.rows(source)
+    out = torch.empty(module.qweight.shape, dtype=torch.uint8)
+    for start in range(0, n, _REPACK_ROWS):
+        stop = min(n, start + _REPACK_ROWS)
+        chunk = repack_ggml(source.type_name, rows[start:stop], stop - start, k, r.bits)
+        out[start // BLOCK_ROWS : start // BLOCK_ROWS + chunk.shape[0]] = chunk
+    module.qweight = out
 
 
 def _repack_experts(module: QuantizedExperts, reader: _Reader, r: _Repack) -> None:
