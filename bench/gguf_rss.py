@@ -1,0 +1,73 @@
+"""Peak RSS of a compiled engine over a Q4_0 GGUF at DeepSeek-V2-Lite's real widths, one MoE
+layer, against the GGUF issue's bound (file size x 1.15 + 1 GiB; the KV cache is 64 blocks).
+
+    .venv/bin/python bench/gguf_rss.py [PATH]     # writes PATH first if it does not exist
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+V2_LITE_1_LAYER = dict(
+    vocab_size=102400,
+    hidden_size=2048,
+    intermediate_size=10944,
+    moe_intermediate_size=1408,
+    num_hidden_layers=1,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_routed_experts=64,
+    num_experts_per_tok=6,
+    n_shared_experts=2,
+    first_k_dense_replace=0,
+    kv_lora_rank=512,
+    q_lora_rank=None,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    topk_method="greedy",
+    max_position_embeddings=4096,
+)
+
+
+def write(path: Path) -> None:
+    """In a child process, so its tensors do not count in the engine's RSS."""
+    import torch
+    import transformers
+    from gguf_files import Q, block_type, write_gguf
+
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV2Config(**V2_LITE_1_LAYER)
+    model = transformers.DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).eval()
+    write_gguf(path, model, types=block_type(Q.Q4_0))
+
+
+def main() -> None:
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/v2lite_1layer_q4_0.gguf")
+    if not path.exists():
+        if os.fork() == 0:
+            write(path)
+            os._exit(0)
+        os.wait()
+    import mlafx
+
+    start = time.perf_counter()
+    llm = mlafx.LLM(str(path), dtype="bfloat16", num_kv_blocks=64, progress=False)
+    load = time.perf_counter() - start
+    llm.generate([[5, 6, 7, 8]], mlafx.SamplingParams(max_tokens=4, ignore_eos=True))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    size = path.stat().st_size
+    print(
+        f"file {size / 2**30:.3f} GiB, load + compile {load:.1f} s, peak RSS "
+        f"{peak / 2**30:.3f} GiB, bound {size * 1.15 / 2**30 + 1:.3f} GiB"
+    )
+
+
+if __name__ == "__main__":
+    main()
