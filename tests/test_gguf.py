@@ -270,3 +270,22 @@ def test_cli_run_prints_text_from_a_gguf(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip(), out.stderr[-2000:]
+
+
+def test_a_stack_of_two_block_types_is_stacked_losslessly_as_int8(tmp_path):
+    from mlafx.kernels.quant_format import bits_of, dequantize_weight
+    from mlafx.models.loader import build_model
+
+    def types(name, shape):  # gate Q8_0, up and down Q4_0: the stack needs int8
+        if "ffn_gate_exps" in name:
+            return Q.Q8_0
+        return block_type(Q.Q4_0)(name, shape)
+
+    path = tmp_path / "mixed.gguf"
+    state = write_gguf(path, _tiny_v3(), types=types)
+    model = build_model(ModelConfig.from_model(path), "float32", "auto", path, progress=False)
+    experts = model.model.layers[1].mlp.experts
+    assert bits_of(experts.gate_up_qweight[0]) == 8
+    for e in range(experts.gate_up_qweight.shape[0]):
+        w = dequantize_weight(experts.gate_up_qweight[e], 2 * experts.intermediate_size, 64)
+        assert torch.equal(w, state["model.layers.1.mlp.experts.gate_up_proj"][e])

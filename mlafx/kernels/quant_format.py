@@ -241,6 +241,20 @@ def repack_ggml_q5_0(blocks: torch.Tensor, out_features: int, in_features: int) 
     return _pack_padded(low + (bit.to(torch.int16) << 4) - 16, d, 8, 0)
 
 
+def stack_packed_rows(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """Packed weights ``(packed, rows)`` of one format and in_features -> the packed weight of
+    their rows stacked (a 16-row block may then hold rows of two parts), every group's quants
+    and scale kept as they are: lossless."""
+    bits = bits_of(parts[0][0])
+    qs, ds = [], []
+    for packed, rows in parts:
+        q, d = unpack_groups(packed)
+        qs.append(q[:rows])
+        ds.append(d[:rows])
+    q = torch.cat(qs)
+    return _pack_padded(q + (8 if bits == 4 else 0), torch.cat(ds), bits, 8 if bits == 4 else 0)
+
+
 # GGUF block types that repack into mlafx's layouts without loss -> the bits they can take
 GGML_LOSSLESS_BITS = {"Q8_0": (8,), "Q4_0": (4, 8), "Q5_0": (8,)}
 

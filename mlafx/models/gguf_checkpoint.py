@@ -43,6 +43,7 @@ from mlafx.kernels.quant_format import (
     GGML_LOSSLESS_BITS,
     packed_shape,
     repack_ggml,
+    stack_packed_rows,
 )
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 from mlafx.models.safetensors_file import map_bytes
@@ -111,29 +112,6 @@ class GgufPlan:
     linears: list[_Repack] = field(default_factory=list)
     experts: list[_Repack] = field(default_factory=list)
     widened: list[tuple[str, int]] = field(default_factory=list)  # (tensor, extra bytes)
-
-    def resident_bytes(self, model: nn.Module) -> int:
-        """The weights' bytes once loaded (mapped ones included)."""
-        total = sum(_fill_nbytes(model, f) for f in self.fills)
-        for r in self.linears:
-            total += _packed_nbytes(r.sources[0].shape, r.bits)
-        for r in self.experts:
-            gate, up, down = r.sources
-            e, i, d = gate.shape
-            total += e * (
-                _packed_nbytes((2 * i, d), r.bits) + _packed_nbytes(down.shape[1:], r.bits)
-            )
-        return total
-
-
-def _packed_nbytes(shape: tuple[int, ...], bits: int) -> int:
-    blocks, groups, size = packed_shape(shape[-2], shape[-1], bits)
-    return blocks * groups * size
-
-
-def _fill_nbytes(model: nn.Module, fill: _Fill) -> int:
-    target = _lookup(model, fill.target)
-    return target.numel() * target.element_size()
 
 
 def _lookup(model: nn.Module, name: str) -> torch.Tensor:
@@ -382,16 +360,11 @@ def _fill(model: nn.Module, fill: _Fill, reader: _Reader, cfg: ModelConfig) -> N
             i = shape[1] // 2
             gate, up = fill.sources
             for e in range(shape[0]):  # expert by expert: bounded scratch
-                _dequantize_expert(value[e, :i], reader, gate, e)
-                _dequantize_expert(value[e, i:], reader, up, e)
+                dequantize_into(value[e, :i], reader, _expert_slice(gate, e))
+                dequantize_into(value[e, i:], reader, _expert_slice(up, e))
         else:
             _kv_b_from_split(value, reader, fill.sources, cfg)
     _set(owner, leaf, current, value)
-
-
-def _dequantize_expert(out: torch.Tensor, reader: _Reader, stack: GgufTensor, e: int) -> None:
-    one = _expert_slice(stack, e)
-    dequantize_into(out, reader, one)
 
 
 def _expert_slice(stack: GgufTensor, e: int) -> GgufTensor:
@@ -453,20 +426,10 @@ def _repack_experts(module: QuantizedExperts, reader: _Reader, r: _Repack) -> No
                 [reader.rows(_expert_slice(gate, x)), reader.rows(_expert_slice(up, x))]
             )
             gate_up[x] = repack_ggml(gate.type_name, rows, 2 * i, d, r.bits)
-        else:  # two types: unpack each, pack the [2I, D] weight once
-            from mlafx.kernels.quant_format import dequantize_weight, quantize_weight_ref
-
-            both = torch.cat(
-                [
-                    dequantize_weight(
-                        repack_ggml(t.type_name, reader.rows(_expert_slice(t, x)), i, d, r.bits),
-                        i,
-                        d,
-                    )
-                    for t in (gate, up)
-                ]
-            )
-            gate_up[x] = quantize_weight_ref(both, r.bits)
+        else:  # two types (both int8-able): each half's groups as they are, stacked
+            halves = [repack_ggml(t.type_name, reader.rows(_expert_slice(t, x)), i, d, r.bits)
+                      for t in (gate, up)]  # fmt: skip
+            gate_up[x] = stack_packed_rows([(h, i) for h in halves])
         down_q[x] = repack_ggml(down.type_name, reader.rows(_expert_slice(down, x)), d, i, r.bits)
     module.gate_up_qweight, module.down_qweight = gate_up, down_q
 
