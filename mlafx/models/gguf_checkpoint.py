@@ -25,11 +25,9 @@ before anything is read.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -45,6 +43,7 @@ from mlafx.kernels.quant_format import (
     repack_ggml,
     stack_packed_rows,
 )
+from mlafx.models.packed_int4_checkpoint import CheckpointReader, replace_module
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 from mlafx.models.safetensors_file import map_bytes
 from mlafx.models.weights import WeightLoadError
@@ -275,8 +274,6 @@ def _stack_bits(parts: tuple[GgufTensor, ...]) -> int | None:
 
 def install_gguf_modules(model: nn.Module, plan: GgufPlan) -> None:
     """Swap each repacked linear / expert stack for its quantized module (buffers on meta)."""
-    from mlafx.models.packed_int4_checkpoint import replace_module
-
     for r in plan.linears:
         n, k = r.sources[0].shape
         meta = torch.empty(packed_shape(n, k, r.bits), dtype=torch.uint8, device="meta")
@@ -290,16 +287,12 @@ def install_gguf_modules(model: nn.Module, plan: GgufPlan) -> None:
         replace_module(model, r.module, QuantizedExperts(i, gate_up, down))
 
 
-class _Reader:
-    """Maps GGUF tensors' bytes, one descriptor per file kept open for the load."""
-
-    def __init__(self) -> None:
-        self.fds: dict[Path, int] = {}
+class _Reader(CheckpointReader):
+    """Maps GGUF tensors' bytes (the safetensors loaders' reader: one descriptor per file
+    kept open for the load)."""
 
     def raw(self, tensor: GgufTensor) -> torch.Tensor:
-        if tensor.file not in self.fds:
-            self.fds[tensor.file] = os.open(tensor.file, os.O_RDONLY | os.O_CLOEXEC)
-        return map_bytes(self.fds[tensor.file], tensor.offset, tensor.length)
+        return map_bytes(self.fd(tensor.file), tensor.offset, tensor.length)
 
     def rows(self, tensor: GgufTensor) -> torch.Tensor:
         """uint8 [..., row bytes]: each innermost row of the tensor."""
@@ -307,10 +300,6 @@ class _Reader:
         return raw.view(
             *tensor.shape[:-1], tensor.length // max(1, tensor.numel // tensor.shape[-1])
         )
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
 
 
 def _row_chunks(rows: int, row_elems: int) -> Iterator[slice]:

@@ -217,11 +217,14 @@ class CheckpointReader:
     def __init__(self) -> None:
         self.fds: dict[Path, int] = {}
 
-    def read(self, location: tuple[Path, StoredTensor]) -> torch.Tensor:
-        file, stored = location
+    def fd(self, file: Path) -> int:
         if file not in self.fds:
             self.fds[file] = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
-        return map_stored(self.fds[file], stored)
+        return self.fds[file]
+
+    def read(self, location: tuple[Path, StoredTensor]) -> torch.Tensor:
+        file, stored = location
+        return map_stored(self.fd(file), stored)
 
     def close(self) -> None:
         for fd in self.fds.values():
