@@ -441,6 +441,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Chat with the model in the terminal (see mlafx/chat_session.py)."""
+    from mlafx.chat_session import chat_loop
+
+    llm = build_llm(args, **serving_options(args))
+    try:
+        if llm.tokenizer is None or llm.chat_template is None:
+            raise ValueError(
+                "this model has no tokenizer or chat template (tokenizer_config.json's "
+                "chat_template, chat_template.jinja or a GGUF's tokenizer.chat_template)"
+            )
+        params = SamplingParams(
+            max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+        )
+        chat_loop(llm, params, input, sys.stdout, system=args.system)
+    finally:
+        llm.close()
+    return 0
+
+
 BENCHMARKS = {
     "kernels": "kernels.py",
     "compiled-step": "compiled_step.py",
@@ -540,6 +560,14 @@ def make_parser() -> argparse.ArgumentParser:
         help="uvicorn's log level ('info' logs every request)",
     )
     serve.set_defaults(func=cmd_serve)
+    chat = sub.add_parser("chat", help="chat with the model in the terminal")
+    add_model_flags(chat)
+    add_serving_flags(chat)
+    add_artifact_flags(chat)
+    chat.add_argument("--max-tokens", type=int, default=512, help="per reply")
+    chat.add_argument("--temperature", type=float, default=0.6)
+    chat.add_argument("--system", default=None, help="a system prompt opening the conversation")
+    chat.set_defaults(func=cmd_chat)
     bench = sub.add_parser("bench", help="run a benchmark (flags after the name go to it)")
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)

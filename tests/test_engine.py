@@ -130,7 +130,7 @@ def test_bad_input_raises_and_the_engine_stays_usable(prompts, params, message):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
         (dict(temperature=-1.0), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_k=0), "top_k"),

@@ -4,7 +4,7 @@ strings, held-back tails, logprobs layout), without a model."""
 from __future__ import annotations
 
 from mlafx.runtime import CompletionOutput, RequestOutput
-from mlafx.serve.choice import ChoiceState
+from mlafx.serve.choice import ChoiceState, completion_logprobs
 
 
 def output(text: str, num_tokens: int, finish: str | None = None, logprobs=None):
@@ -68,11 +68,12 @@ def test_logprobs_without_a_tokenizer_name_token_ids():
     state = ChoiceState([], None, want_logprobs=True)
     first = state.update(output("", 1, logprobs=[{0: -0.5, 9: -1.0}]))
     second = state.update(output("", 2, "length", logprobs=[{0: -0.5, 9: -1.0}, {1: -0.25}]))
-    assert first.logprobs == {
+    assert completion_logprobs(first.logprobs) == {
         "tokens": ["token_id:0"],
         "token_logprobs": [-0.5],
         "top_logprobs": [{"token_id:0": -0.5, "token_id:9": -1.0}],
         "text_offset": [0],
     }
-    assert second.token_ids == [1] and second.logprobs["token_logprobs"] == [-0.25]
-    assert second.logprobs["text_offset"] == [len("token_id:0")]
+    later = completion_logprobs(second.logprobs)
+    assert second.token_ids == [1] and later["token_logprobs"] == [-0.25]
+    assert later["text_offset"] == [len("token_id:0")]

@@ -92,3 +92,38 @@ def write_tiny_checkpoint(
     save_file(tensors, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps(hf))
     return cfg
+
+
+# A DeepSeek-V2-Chat-shaped template over words of the tiny vocabulary: "w10"/"w11"/"w12"
+# mark user/assistant/system turns.
+CHAT_TEMPLATE = (
+    "{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}"
+    "{% endif %}{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ 'w10 ' + message['content'] + ' ' }}"
+    "{% elif message['role'] == 'assistant' %}{{ 'w11 ' + message['content'] + eos_token + ' ' }}"
+    "{% elif message['role'] == 'system' %}{{ 'w12 ' + message['content'] + ' ' }}"
+    "{% else %}{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'w11' }}{% endif %}"
+)
+
+
+def write_tiny_chat_checkpoint(directory: Path) -> Path:
+    """``write_tiny_checkpoint_with_tokenizer`` plus a ``tokenizer_config.json`` holding
+    :data:`CHAT_TEMPLATE` and the special tokens (bos/eos special in the tokenizer too)."""
+    from tokenizers import Tokenizer
+
+    write_tiny_checkpoint_with_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<bos>", "<eos>"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": {"content": "<bos>", "special": True},
+                "eos_token": "<eos>",
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    return directory

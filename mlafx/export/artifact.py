@@ -9,6 +9,7 @@ one (:func:`load_artifact`).
     DIR/step.onnx            onnx: the functional step; its initializers point into
                              weights.safetensors (onnx_export.py)
     DIR/tokenizer.json       when the model has one
+    DIR/tokenizer_config.json, chat_template.jinja   with it, when the model has them
 
 Pickled data: none in weights.safetensors, manifest.json or step.onnx. Each ``layer-<k>.pt2`` of
 an aoti artifact is a zip holding a shared library that runs native code when loaded; a
@@ -59,6 +60,7 @@ from mlafx.models.step import StepFn
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
 # which runner serves each format; "onnxruntime" is the only engine for ONNX
 ENGINES = {"aoti": "torch", "pt2": "torch", "onnx": "onnxruntime"}
 
@@ -170,6 +172,9 @@ def export_model(
                     step = export_onnx(lowered, model, block_size, staging, WEIGHTS_FILE)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, staging / TOKENIZER_FILE)
+            for name in CHAT_TEMPLATE_FILES:  # the chat template and its special tokens
+                if (tokenizer.parent / name).is_file():
+                    shutil.copyfile(tokenizer.parent / name, staging / name)
         with _phase("hashing the files"):
             names = sorted(p.name for p in staging.iterdir() if p.name != MANIFEST_FILE)
             files = file_entries(staging, names)

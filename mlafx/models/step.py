@@ -86,7 +86,7 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: StepMetadata
-    logits_indices: torch.Tensor  # [S] int64: the last new token of each sampling sequence
+    logits_indices: torch.Tensor  # [S] int64: rows with logits (SequenceSpan.num_logits)
 
     def args(self, caches: list[torch.Tensor]) -> tuple:
         """The step's arguments around ``caches``: ``step(*inputs.args(caches))``."""
@@ -116,8 +116,10 @@ class SequenceSpan:
     """One sequence's share of a step: compute positions ``start .. end-1``, whose token ids
     are ``new_token_ids``; its cache rows live in ``blocks`` (in position order). ``sample``
     is False for a prompt chunk that does not reach the prompt's end: its rows are cached
-    but no token is drawn, so it adds nothing to ``logits_indices``. ``path`` fixes the
-    attention path of its new tokens; None leaves it to the host's cost rule."""
+    but no token is drawn, so it adds nothing to ``logits_indices``. ``all_logits``: every
+    new token gets a logits row, in position order (prompt logprobs; the last is the sample
+    row when ``sample``). ``path`` fixes the attention path of its new tokens; None leaves it
+    to the host's cost rule."""
 
     new_token_ids: list[int]
     start: int
@@ -125,6 +127,12 @@ class SequenceSpan:
     blocks: list[int]
     sample: bool = True
     path: AttentionPath | None = None
+    all_logits: bool = False
+
+    @property
+    def num_logits(self) -> int:
+        """Rows this span adds to ``logits_indices``."""
+        return self.end - self.start if self.all_logits else int(self.sample)
 
 
 def key_slots_and_mask(
@@ -191,7 +199,11 @@ def build_step_inputs(
         positions=pos,
         meta=meta,
         logits_indices=torch.tensor(
-            [t for t, span in zip(last_tokens, spans, strict=True) if span.sample],
+            [
+                t
+                for last, span in zip(last_tokens, spans, strict=True)
+                for t in range(last - span.num_logits + 1, last + 1)
+            ],
             dtype=torch.int64,
         ),
     )

@@ -12,6 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,13 @@ from mlafx.models.step import StepFn
 from mlafx.parallel import WorkerGroup, check_shardable, start_workers
 from mlafx.runtime.block_hash import cache_fingerprint
 from mlafx.runtime.block_manager import BlockManager
+from mlafx.runtime.chat_template import ChatTemplate, load_chat_template
 from mlafx.runtime.engine_core import EngineCore
 from mlafx.runtime.kv_connector.base import KVConnector
 from mlafx.runtime.options import ServingOptions
 from mlafx.runtime.request import Request
 from mlafx.runtime.sampling_params import (
+    MAX_SEED,
     CompletionOutput,
     RequestMetrics,
     RequestOutput,
@@ -79,6 +82,7 @@ class LLM:
     """
 
     workers: WorkerGroup | None = None  # the tensor-parallel ranks, when there are any
+    chat_template: ChatTemplate | None = None  # the checkpoint's (runtime/chat_template.py)
 
     def __init__(
         self,
@@ -169,6 +173,7 @@ class LLM:
                     compile_cache_dir=compile_cache_dir,
                     local_ranks=tensor_parallel_local_ranks,
                 )
+                self.chat_template = None if model in PRESETS else load_chat_template(model)
                 tokenizer = None if model in PRESETS else load_tokenizer(model)
                 self._start(cfg, self.workers, dtype, options, tokenizer, connector)
                 return
@@ -197,6 +202,7 @@ class LLM:
                     release_replaced_weights=True,
                 )
                 step_fn = self.compiled
+            self.chat_template = None if model in PRESETS else load_chat_template(model)
             tokenizer = None if model in PRESETS else load_tokenizer(model)
             self._start(cfg, step_fn, dtype, options, tokenizer, connector)
         except BaseException:
@@ -246,6 +252,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm.model, llm.compiled, llm.artifact = None, None, loaded
         tokenizer = load_tokenizer(loaded.tokenizer_dir) if loaded.tokenizer_dir else None
+        llm.chat_template = load_chat_template(loaded.tokenizer_dir) if tokenizer else None
         connector = connect_kv_store(kv_connector, cfg, dtype, loaded.block_size)
         llm._start(cfg, loaded.step, dtype, options, tokenizer, connector)
         return llm
@@ -343,6 +350,7 @@ class LLM:
         )
         self.kv_caches = self.engine.kv_caches
         self._request_counter = itertools.count()
+        self._groups: dict[str, list[Request]] = {}  # add_request's, unfinished: id -> copies
         log.info(
             "mlafx engine: %s (%d layers) %s, %d KV blocks of %d tokens, prefix caching %s, "
             "chunked prefill %s, KV connector %s",
@@ -378,10 +386,11 @@ class LLM:
         if len(params) != len(prompt_list):
             raise ValueError(f"{len(params)} sampling params for {len(prompt_list)} prompts")
         # Validate everything before queueing anything: a bad prompt leaves the engine idle.
-        requests = [
-            self._make_request(p, sp, i)
+        groups = [
+            self._make_requests(p, sp, i)
             for i, (p, sp) in enumerate(zip(prompt_list, params, strict=True))
         ]
+        requests = [r for group in groups for r in group]
         for request in requests:
             self.engine.add(request)
         try:
@@ -391,25 +400,49 @@ class LLM:
             for request in requests:
                 if not request.finished:
                     self.engine.abort(request.request_id)
-        return [self._output(r) for r in requests]
+        return [self._output(group) for group in groups]
 
     # ----- incremental API -----
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> str:
-        """Queue one prompt (text or token ids); returns its request id."""
-        request = self._make_request(prompt, params or SamplingParams(), 0)
-        self.engine.add(request)
-        return request.request_id
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, index: int = 0
+    ) -> str:
+        """Queue one prompt (text or token ids); returns its request id. With ``n`` (or
+        ``best_of``) > 1 its copies are ``"{id}.{i}"`` (abortable one by one). ``index``:
+        the prompt's place in the caller's batch, which error messages name."""
+        group = self._make_requests(prompt, params or SamplingParams(), index)
+        for request in group:
+            self.engine.add(request)
+        request_id = group[0].request_id.partition(".")[0]
+        self._groups[request_id] = group
+        return request_id
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the requests that drew a token in it (their
-        outputs so far; ``finished`` tells which ones are done)."""
-        return [self._output(r) for r in self.engine.step()]
+        """Run one engine step; returns the requests that drew a token or ended in it
+        (their outputs so far, every copy; ``finished`` once every copy is done)."""
+        changed = {r.request_id.partition(".")[0] for r in self.engine.step()}
+        outputs = []
+        for request_id in sorted(changed, key=int):
+            group = self._groups.get(request_id)
+            if group is None:
+                continue
+            outputs.append(self._output(group))
+            if all(r.finished for r in group):
+                del self._groups[request_id]
+        return outputs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a queued or running request and free its blocks (finish reason "abort");
-        None if the id is unknown or already finished."""
-        request = self.engine.abort(request_id)
-        return None if request is None else self._output(request)
+        """Stop a queued or running request (every copy; or one copy ``"{id}.{i}"``) and
+        free its blocks (finish reason "abort"); None if the id is unknown or finished."""
+        parent = request_id.partition(".")[0]
+        group = self._groups.get(parent)
+        if group is None:
+            return None
+        targets = [r for r in group if request_id in (parent, r.request_id)]
+        if not [r for r in targets if self.engine.abort(r.request_id) is not None]:
+            return None
+        if all(r.finished for r in group):
+            del self._groups[parent]
+        return self._output(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished()
@@ -447,7 +480,31 @@ class LLM:
             return [prompts]  # a single prompt of token ids
         return prompts
 
-    def _make_request(self, prompt: Prompt, params: SamplingParams, index: int) -> Request:
+    def _make_requests(self, prompt: Prompt, params: SamplingParams, index: int) -> list[Request]:
+        """The engine requests of one prompt: one per copy (``params.num_copies``); the
+        copies after the first wait for its prompt and read it from the prefix cache, do
+        not repeat its prompt logprobs and, with a seed, draw from ``seed + i``."""
+        first = self._make_request(prompt, params, index)
+        copies = params.num_copies
+        if copies == 1:
+            return [first]
+        first.request_id = f"{first.request_id}.0"
+        group = [first]
+        for i in range(1, copies):
+            seed = None if params.seed is None else (params.seed + i) % (MAX_SEED + 1)
+            copy = self._make_request(
+                first.prompt_token_ids,
+                replace(params, seed=seed, prompt_logprobs=None),
+                index,
+                request_id=f"{first.request_id.partition('.')[0]}.{i}",
+            )
+            copy.prompt_text, copy.after = first.prompt_text, first
+            group.append(copy)
+        return group
+
+    def _make_request(
+        self, prompt: Prompt, params: SamplingParams, index: int, request_id: str | None = None
+    ) -> Request:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params for prompt {index} must be SamplingParams")
         text = None
@@ -473,7 +530,7 @@ class LLM:
             )
         # A request that cannot fit even alone would wait (or be preempted) forever.
         needed = blocks_for_lifetime(
-            len(ids), params.max_tokens, self.max_model_len, self.block_size
+            len(ids), max(params.max_tokens, 1), self.max_model_len, self.block_size
         )
         usable = self.block_manager.num_usable_blocks
         if needed > usable:
@@ -482,42 +539,53 @@ class LLM:
                 f"new tokens) but the cache has only {usable}: raise num_kv_blocks / "
                 "kv_cache_memory or lower max_tokens"
             )
-        request_id = str(next(self._request_counter))
+        number = next(self._request_counter)
         generator = None
-        if params.temperature > 0:
-            seed = (
-                params.seed if params.seed is not None else self.seed * 1_000_003 + int(request_id)
-            )
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self.seed * 1_000_003 + number
             generator = torch.Generator().manual_seed(seed)
         return Request(
-            request_id=request_id,
+            request_id=request_id or str(number),
             prompt_token_ids=ids,
             params=params,
             metrics=RequestMetrics(arrival_time=time.perf_counter()),
             prompt_text=text,
             generator=generator,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, group: list[Request]) -> RequestOutput:
+        """One prompt's output: a completion per copy; once every copy is done and
+        ``best_of > n``, the ``n`` with the highest cumulative logprob."""
+        first = group[0]
+        completions = [self._completion(i, r) for i, r in enumerate(group)]
+        finished = all(r.finished for r in group)
+        if finished and len(group) > first.params.n:
+            best = sorted(completions, key=lambda c: -(c.cumulative_logprob or 0.0))
+            completions = [replace(c, index=i) for i, c in enumerate(best[: first.params.n])]
+        return RequestOutput(
+            request_id=first.request_id.partition(".")[0],
+            prompt_token_ids=list(first.prompt_token_ids),
+            outputs=completions,
+            finished=finished,
+            prompt=first.prompt_text,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics=first.metrics,
+            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
+        )
+
+    def _completion(self, index: int, request: Request) -> CompletionOutput:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_token_ids)
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=index,
             token_ids=list(request.output_token_ids),
             text=text,
             finish_reason=request.finish_reason,
             logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
             cumulative_logprob=request.cumulative_logprob,
-        )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            outputs=[completion],
-            finished=request.finished,
-            prompt=request.prompt_text,
-            num_cached_tokens=request.num_cached_tokens,
-            metrics=request.metrics,
+            error=request.error,
         )
 
 

@@ -8,6 +8,7 @@ retire finished requests.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -20,9 +21,12 @@ from mlafx.runtime.kv_connector.base import KVConnector
 from mlafx.runtime.kv_transfer import KVTransfer
 from mlafx.runtime.metrics import EngineStats
 from mlafx.runtime.request import Request
-from mlafx.runtime.sampler import Sample, sample
-from mlafx.runtime.scheduler import Scheduler
+from mlafx.runtime.sampler import Sample, SamplingError, sample, top_logprobs
+from mlafx.runtime.scheduler import ScheduledSequence, Scheduler
 from mlafx.runtime.step_inputs import step_inputs_for
+
+log = logging.getLogger(__name__)
+_LOGPROB_ROWS = 256  # prompt-logprob rows turned into float32 log-softmax at a time
 
 
 class EngineCore:
@@ -101,40 +105,117 @@ class EngineCore:
         return bool(self.requests)
 
     def step(self) -> list[Request]:
-        """One forward step; returns the requests that drew a token (finished ones included)."""
+        """One forward step; returns the requests that drew a token or ended in it.
+
+        A step that raises is retried one sequence at a time; a sequence that fails alone
+        (or whose logits cannot be sampled) fails its request only (finish reason
+        ``"error"``, ``Request.error`` says why): no request sees another's failure."""
         if not self.requests:
             return []
         started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("scheduler made no progress (KV cache exhausted)")
+        changed: list[Request] = []
+        try:
+            parts = [(batch, self._forward(batch))]
+        except Exception as e:
+            if len(batch) == 1:
+                parts = []
+                self._fail(batch[0].request, e)
+                changed.append(batch[0].request)
+            else:
+                log.warning("step of %d sequences failed (%s); retrying each alone", len(batch), e)
+                parts = []
+                for seq in batch:
+                    try:
+                        parts.append(([seq], self._forward([seq])))
+                    except Exception as alone:
+                        self._fail(seq.request, alone)
+                        changed.append(seq.request)
+        for part, logits in parts:
+            changed += self._finish_part(part, logits)
+        self.stats.num_steps += 1
+        self.stats.busy_seconds += time.perf_counter() - started
+        return changed
+
+    def _forward(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         inputs = step_inputs_for(
             batch, self.block_size, absorb_threshold(self.config), key_rows=self.key_rows
         )
         with torch.inference_mode():
-            logits = self.step_fn(
+            return self.step_fn(
                 inputs.input_ids,
                 inputs.positions,
                 self.kv_caches,
                 inputs.meta,
                 inputs.logits_indices,
             )
-        sampling = [s.request for s in batch if s.samples]  # logits rows, in batch order
-        drawn = sample(logits, sampling)
-        now = time.perf_counter()
+
+    def _finish_part(self, batch: list[ScheduledSequence], logits: torch.Tensor) -> list[Request]:
+        """After a (sub-)batch ran: prompt logprobs, cache bookkeeping, then the draws."""
+        sampling: list[Request] = []
+        rows: list[int] = []  # each sampling request's logits row
+        row = 0
         for seq in batch:
             request = seq.request
+            all_logits = seq.all_logits  # before the logprobs below complete it
+            num_rows = (seq.end - seq.start) if all_logits else int(seq.samples)
+            if all_logits:
+                self._prompt_logprobs(request, seq.start, logits[row : row + num_rows])
+            row += num_rows
             request.num_computed_tokens = seq.end
             self.stats.computed_prompt_tokens += max(
                 min(seq.end, request.num_prompt_tokens) - seq.start, 0
             )
             self.scheduler.register_computed_blocks(request)
             self.scheduler.save_prompt(request)
-        for request, choice in zip(sampling, drawn, strict=True):
-            self._append(request, choice, now)
-        self.stats.num_steps += 1
-        self.stats.busy_seconds += time.perf_counter() - started
+            if seq.samples:
+                sampling.append(request)
+                rows.append(row - 1)
+        drawing = [r for r in sampling if r.params.max_tokens > 0]
+        draw_rows = [i for r, i in zip(sampling, rows, strict=True) if r.params.max_tokens > 0]
+        drawn = sample(logits[draw_rows], drawing, self.config.eos_token_ids)
+        now = time.perf_counter()
+        for request in sampling:
+            if request.params.max_tokens == 0:  # the prompt only
+                self._retire(request, "length", now)
+        for request, choice in zip(drawing, drawn, strict=True):
+            if isinstance(choice, SamplingError):
+                self._fail(request, choice)
+            else:
+                self._append(request, choice, now)
         return sampling
+
+    def _prompt_logprobs(self, request: Request, start: int, logits: torch.Tensor) -> None:
+        """Append the logprobs of prompt tokens ``start+1 ..`` from the logits rows of
+        positions ``start ..`` (row i predicts token ``start + i + 1``); tokens already
+        scored (a prompt recomputed after a preemption) are skipped."""
+        k = request.params.prompt_logprobs
+        assert request.prompt_logprobs is not None and k is not None
+        skip = max(len(request.prompt_logprobs) - (start + 1), 0)
+        logits = logits[skip:]
+        start += skip
+        targets = request.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+        for first in range(0, len(targets), _LOGPROB_ROWS):
+            chunk = torch.log_softmax(logits[first : first + _LOGPROB_ROWS].float(), dim=-1)
+            for i, token in enumerate(targets[first : first + _LOGPROB_ROWS]):
+                entry = top_logprobs(chunk[i], k)
+                entry[token] = chunk[i, token].item()
+                request.prompt_logprobs.append(entry)
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        """End ``request`` with finish reason "error" (its blocks freed, unregistered)."""
+        log.error("request %s failed: %s: %s", request.request_id, type(error).__name__, error)
+        request.error = f"{type(error).__name__}: {error}"
+        self._retire(request, "error", time.perf_counter())
+
+    def _retire(self, request: Request, reason: str, now: float) -> None:
+        request.finish_reason = reason
+        request.metrics.finished_time = now
+        self.scheduler.finish(request)
+        del self.requests[request.request_id]
+        self.stats.num_finished_requests += 1
 
     def _append(self, request: Request, choice: Sample, now: float) -> None:
         request.output_token_ids.append(choice.token_id)
@@ -147,12 +228,9 @@ class EngineCore:
         metrics.last_token_time = now
         metrics.num_output_tokens += 1
         self.stats.generation_tokens += 1
-        request.finish_reason = self._finish_reason(request, choice.token_id)
-        if request.finished:
-            metrics.finished_time = now
-            self.scheduler.finish(request)
-            del self.requests[request.request_id]
-            self.stats.num_finished_requests += 1
+        reason = self._finish_reason(request, choice.token_id)
+        if reason is not None:
+            self._retire(request, reason, now)
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.params

@@ -28,6 +28,12 @@ class Request:
     admitted: bool = False  # scheduled at least once (a preempted request stays True)
     prompt_saved: bool = False  # full prompt blocks handed to the KV connector
     finish_reason: str | None = None
+    error: str | None = None  # why it failed (finish_reason "error")
+    # params.prompt_logprobs: per prompt token so far, top-k ids -> logprob (first: None)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # a copy of the same prompt (SamplingParams.n) admitted only once ``after`` has
+    # computed its prompt, which it then reads from the prefix cache
+    after: Request | None = None
     _block_keys: list[BlockHash] = field(default_factory=list, repr=False)
 
     @property
@@ -61,3 +67,15 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether prompt positions still need logits (for ``prompt_logprobs``): such a
+        request computes its prompt, not reading it from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
+
+    @property
+    def prompt_computed(self) -> bool:
+        return self.finished or self.num_computed_tokens >= len(self.prompt_token_ids)

@@ -14,6 +14,10 @@ freed and it goes back to the front of the waiting queue with its generated toke
 re-admitted, it recomputes prompt + outputs (prefix hits included) and continues where it
 stopped, so its output is unchanged. No new request is admitted in a step that preempted.
 
+A request that wants its prompt's logprobs reads no hits (its every prompt position must
+produce logits); a copy of a prompt (``SamplingParams.n``) is admitted only once the first
+copy has computed the prompt, so that it reads the prompt from the cache.
+
 A hit never covers a request's last token (it must be computed: it produces the logits),
 so a request writes only into blocks past its last hit block: shared blocks stay read-only.
 After the whole-block hits, the next block may be a partial hit (``copy_rows`` given, no KV
@@ -53,6 +57,12 @@ class ScheduledSequence:
         """Whether a token is drawn after this span: it reaches the request's last token
         (a prompt chunk short of the end computes rows only)."""
         return self.end >= self.request.num_tokens
+
+    @property
+    def all_logits(self) -> bool:
+        """Whether every position of the span gets logits: prompt positions of a request
+        still collecting its prompt logprobs."""
+        return self.request.needs_prompt_logits and self.start < self.request.num_prompt_tokens
 
 
 def blocks_for_lifetime(
@@ -124,6 +134,9 @@ class Scheduler:
         while (
             not preempted and budget > 0 and self.waiting and len(self.running) < self.max_num_seqs
         ):
+            after = self.waiting[0].after
+            if after is not None and not after.prompt_computed:
+                break  # a copy waits for the first one's prompt, to read it from the cache
             seq = self._admit(self.waiting[0], budget, alone=not scheduled)
             if seq is None:
                 break
@@ -147,13 +160,16 @@ class Scheduler:
         """Take blocks for ``request``'s prefix hits and first chunk, or None if it must
         wait (not enough free blocks, or a whole prompt over the budget)."""
         bs = self.block_size
-        # at least the last token is computed: it produces the logits
-        keys = request.block_keys(bs, (request.num_tokens - 1) // bs)
+        # at least the last token is computed: it produces the logits; a request that
+        # wants its prompt's logits computes all of it
+        reuse = not request.needs_prompt_logits
+        keys = request.block_keys(bs, (request.num_tokens - 1) // bs) if reuse else []
         hits = self.blocks.lookup(keys)
         num_external = 0
         if self.kv_transfer is not None and len(hits) < len(keys):
             num_external = max(self.kv_transfer.lookup(keys) - len(hits), 0)
-        source, rows = (0, 0) if num_external else self._partial_hit(request, keys, len(hits))
+        partial = reuse and not num_external
+        source, rows = self._partial_hit(request, keys, len(hits)) if partial else (0, 0)
         start = (len(hits) + num_external) * bs + rows
         end = self._chunk_end(request, start, budget)
         if end - start > budget and not alone:

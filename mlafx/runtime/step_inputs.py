@@ -22,6 +22,7 @@ def step_inputs_for(
             s.end,
             s.request.blocks,
             sample=s.samples,
+            all_logits=s.all_logits,
         )
         for s in batch
     ]

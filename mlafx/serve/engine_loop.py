@@ -40,8 +40,9 @@ class Submission:
     """Outputs of one HTTP request's prompts, in arrival order, tagged with the prompt's
     index. Created on the event loop; fed by the engine thread."""
 
-    def __init__(self, engine: EngineLoop, num_prompts: int) -> None:
+    def __init__(self, engine: EngineLoop, num_prompts: int, num_copies: int = 1) -> None:
         self._engine = engine
+        self.num_copies = num_copies  # engine copies per prompt (SamplingParams.num_copies)
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
         self.request_ids: list[str] = []
@@ -70,12 +71,16 @@ class Submission:
             self._unfinished.discard(index)
         return item
 
-    def abort(self, index: int) -> None:
-        """Stop prompt ``index`` (e.g. a stop string matched); its later outputs, if any
-        are already queued, should be ignored."""
-        if index in self._unfinished:
-            self._unfinished.discard(index)
-            self._engine.abort(self.request_ids[index])
+    def abort(self, index: int, copy: int | None = None) -> None:
+        """Stop prompt ``index`` (every copy, or copy ``copy``: e.g. a stop string
+        matched); outputs already queued should be ignored for what was stopped."""
+        if index not in self._unfinished:
+            return
+        if copy is not None and self.num_copies > 1:
+            self._engine.abort(f"{self.request_ids[index]}.{copy}")
+            return  # the prompt finishes with its last copy
+        self._unfinished.discard(index)
+        self._engine.abort(self.request_ids[index])
 
     def abort_unfinished(self) -> None:
         """Stop every prompt still running (the client is gone). Safe to call twice."""
@@ -139,13 +144,13 @@ class EngineLoop:
         """Queue every prompt, or none: the engine's ``ValueError``/``TypeError`` for a bad
         prompt (out-of-vocab ids, too long, text without a tokenizer, ...) is raised here
         and nothing stays queued."""
-        submission = Submission(self, len(prompts))
+        submission = Submission(self, len(prompts), params.num_copies)
 
         def add(llm: LLM) -> list[str]:
             ids: list[str] = []
             try:
                 for index, prompt in enumerate(prompts):
-                    request_id = llm.add_request(prompt, params)
+                    request_id = llm.add_request(prompt, params, index=index)
                     self._routes[request_id] = (submission, index)
                     ids.append(request_id)
             except BaseException:

@@ -52,6 +52,38 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status)
 
 
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+
+
+def _error_response(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+
+
+# the error bodies of every route, for the OpenAPI document (422 is never sent: a body that
+# fails validation is a 400)
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _error_response("A bad request: malformed JSON, an unknown or ill-typed field"),
+    404: _error_response("An unknown model or route"),
+    405: _error_response("A method the route does not take (the Allow header lists them)"),
+    500: _error_response("A failure inside the server (this request only)"),
+}
+
+
 def error_body(
     message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -75,6 +107,8 @@ def validation_error(exc: RequestValidationError, shapes: dict[str, str]) -> API
         return APIError(f"the request body is not valid JSON: {reason}", code="json_invalid")
     if kind == "extra_forbidden":
         return APIError(f"unknown field {field!r}", param=field, code="unknown_field")
+    if kind == "missing" and field is None:
+        return APIError("the request body is missing: send a JSON object", code="missing_body")
     if kind == "missing":
         return APIError(f"missing required field {field!r}", param=field, code="missing_field")
     message = str(first.get("msg", "invalid value"))
@@ -101,7 +135,9 @@ def install_error_handlers(app: FastAPI, shapes: dict[str, str]) -> None:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         kind = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
-        return APIError(str(exc.detail), status=exc.status_code, type=kind).response()
+        response = APIError(str(exc.detail), status=exc.status_code, type=kind).response()
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
