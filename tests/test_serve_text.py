@@ -4,15 +4,11 @@ real uvicorn server on a thread of this process."""
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
-import uvicorn
 
 import mlafx
-from mlafx.serve import create_app
-from mlafx.serve.server import bind
+from tests.live_server import live_server
 from tests.tiny_models import WORDS, write_tiny_checkpoint_with_tokenizer
 
 MODEL = "tiny-text"
@@ -37,22 +33,8 @@ def offline(checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    sock = bind("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(create_app(engine(checkpoint), MODEL), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        if uv.started:
-            break
-        thread.join(0.05)
-    assert uv.started, "uvicorn did not start"
-    yield url
-    uv.should_exit = True
-    thread.join(30)
-    sock.close()
-    assert not thread.is_alive()
+    with live_server(engine(checkpoint), MODEL) as url:
+        yield url
 
 
 def complete(url: str, **body) -> dict:

@@ -120,7 +120,7 @@ def write_tiny_chat_checkpoint(directory: Path) -> Path:
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": {"content": "<bos>", "special": True},
+                "bos_token": {"__type": "AddedToken", "content": "<bos>", "special": True},
                 "eos_token": "<eos>",
                 "chat_template": CHAT_TEMPLATE,
             }

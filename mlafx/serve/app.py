@@ -49,6 +49,10 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+class PrometheusResponse(PlainTextResponse):
+    media_type = prometheus.CONTENT_TYPE
+
+
 def create_app(llm: LLM, model_name: str) -> FastAPI:
     """An app serving ``llm`` under ``model_name``; the app owns the engine thread from
     start-up to shutdown (the caller keeps ``llm`` and closes it afterwards)."""
@@ -105,17 +109,10 @@ def create_app(llm: LLM, model_name: str) -> FastAPI:
             return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get(
-        "/metrics",
-        response_class=PlainTextResponse,
-        responses={
-            200: {"content": {prometheus.CONTENT_TYPE: {"schema": {"type": "string"}}}},
-            **ERROR_RESPONSES,
-        },
-    )
-    async def metrics() -> PlainTextResponse:
+    @app.get("/metrics", response_class=PrometheusResponse, responses=ERROR_RESPONSES)
+    async def metrics() -> PrometheusResponse:
         snapshot = await engine.run(prometheus.engine_snapshot)
-        return PlainTextResponse(prometheus.render(snapshot), media_type=prometheus.CONTENT_TYPE)
+        return PrometheusResponse(prometheus.render(snapshot))
 
     app.openapi = lambda: openapi_document(app)  # type: ignore[method-assign]
     return app
