@@ -238,7 +238,7 @@ def test_tokenizer_from_the_metadata_encodes_like_the_hf_one(tmp_path):
     hf_tok = _byte_level_bpe()
     hf = _tiny_v3(vocab_size=hf_tok.get_vocab_size())
     path = tmp_path / "tok.gguf"
-    write_gguf(path, hf, tokenizer=hf_tok, pre="deepseek-v3", chat_template="{{ messages }}",
+    write_gguf(path, hf, tokenizer=hf_tok, pre="deepseek-v3", chat_template=GGUF_TEMPLATE,
                special_ids={"bos": 0, "eos": 1}, add_bos=False)  # fmt: skip
     tok = load_tokenizer(path)
     rng = random.Random(0)
@@ -251,10 +251,18 @@ def test_tokenizer_from_the_metadata_encodes_like_the_hf_one(tmp_path):
         assert tok.decode(want, skip_special_tokens=False) == hf_tok.decode(
             want, skip_special_tokens=False
         )
-    from mlafx.config.gguf_file import open_gguf
-    from mlafx.runtime.gguf_tokenizer import gguf_chat_template
+    from mlafx.runtime.chat_template import load_chat_template
 
-    assert gguf_chat_template(open_gguf(path)) == "{{ messages }}"
+    template = load_chat_template(path)
+    assert template.source == GGUF_TEMPLATE
+    bos, eos = (hf_tok.id_to_token(i) for i in (0, 1))
+    assert template.special_tokens == {"bos_token": bos, "eos_token": eos}
+    assert template.render([{"role": "user", "content": "hi"}]) == f"{bos}user:hi{eos}"
+
+
+GGUF_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m.role }}:{{ m.content }}{% endfor %}{{ eos_token }}"
+)
 
 
 def test_cli_run_prints_text_from_a_gguf(tmp_path):

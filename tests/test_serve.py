@@ -176,7 +176,10 @@ BAD_REQUESTS = {
     "temperature negative": (json.dumps({"prompt": [5], "temperature": -1}), None),
     "top_p above 1": (json.dumps({"prompt": [5], "top_p": 1.5}), None),
     "top_k 0": (json.dumps({"prompt": [5], "top_k": 0}), None),
-    "n 2": (json.dumps({"prompt": [5], "n": 2}), None),
+    "n 0": (json.dumps({"prompt": [5], "n": 0}), None),
+    "best_of below n": (json.dumps({"prompt": [5], "n": 3, "best_of": 2}), None),
+    "suffix": (json.dumps({"prompt": [5], "suffix": "x"}), None),
+    "seed past 2**64": (json.dumps({"prompt": [5], "seed": 2**64}), None),
     "stream_options without stream": (
         json.dumps({"prompt": [5], "stream_options": {"include_usage": True}}),
         None,

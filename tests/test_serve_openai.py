@@ -1,7 +1,8 @@
-"""The server driven by the official ``openai`` SDK: completions and chat, streamed and
-not, n, echo + logprobs, stop, seed, penalties; chat prompts rendered as ``transformers``'
-``apply_chat_template`` renders them; errors that name the right field; extreme sampling
-values next to running streams. Reference: ``mlafx.LLM`` offline on the same checkpoint."""
+"""A running ``mlafx serve`` driven by the official ``openai`` SDK: completions and chat,
+streamed and not, n, echo + logprobs, stop, seed, penalties; chat prompts rendered as
+``transformers``' ``apply_chat_template`` renders them; errors that name the right field;
+extreme sampling values next to running streams. Reference: ``mlafx.LLM`` offline on the
+same checkpoint."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 import mlafx
+from bench.serve_load import ServerProcess
 from mlafx.serve import create_app
-from tests.live_server import live_server
 from tests.tiny_models import tiny_llm, write_tiny_chat_checkpoint
 
 MODEL = "tiny-chat"
@@ -44,8 +45,14 @@ def offline(checkpoint):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    with live_server(engine(checkpoint), MODEL) as url:
-        yield url
+    """A running ``mlafx serve`` (the CLI, in a subprocess) on the checkpoint."""
+    flags = ["--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"]
+    flags += ["--no-compile", "--num-kv-blocks", "256", "--log-level", "warning"]
+    process = ServerProcess(flags, start_timeout=120)
+    try:
+        yield process.url
+    finally:
+        assert process.stop() == 0, "mlafx serve did not exit cleanly on Ctrl-C"
 
 
 @pytest.fixture(scope="module")
@@ -286,3 +293,32 @@ def test_extreme_values_next_to_running_streams(server, offline):
     greedy = offline_text(offline, "w1 w2", max_tokens=4)
     for response in results[8:]:
         assert response["choices"][0]["text"] == greedy  # both reduce to greedy decoding
+
+
+def test_mlafx_chat_in_the_terminal(checkpoint, offline):
+    """Two turns, a reset, a third turn: each reply is the engine's on the rendered history."""
+    done = subprocess.run(
+        [sys.executable, "-m", "mlafx", "chat", "--model", str(checkpoint), "--no-compile"]
+        + ["--dtype", "float32", "--max-tokens", "4", "--temperature", "0"],
+        input="w5 w6\nw7\n/reset\nw5 w6\n/exit\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    replies = [line.removeprefix(">>> ") for line in done.stdout.splitlines()]
+    replies = [r for r in replies if r and not r.startswith("(")]
+
+    def reply(messages):
+        text = offline.chat_template.render(messages)
+        ids = offline.tokenizer.encode(text, add_special_tokens=False).ids
+        return offline.generate([ids], mlafx.SamplingParams(max_tokens=4))[0].outputs[0].text
+
+    first = reply([{"role": "user", "content": "w5 w6"}])
+    history = [
+        {"role": "user", "content": "w5 w6"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "w7"},
+    ]
+    assert replies == [first, reply(history), first]
+    assert "(conversation reset)" in done.stdout

@@ -248,11 +248,28 @@ class WorkerGroup:
                         replies[rank] = value
                         continue
                     if status == "error":
+                        # a collective fails on every rank when a peer dies: name the cause
+                        dead = self._dead_peer(rank)
+                        if dead is not None:
+                            self._fail_dead(dead, what)
                         self._fail(f"tensor-parallel rank {rank} failed to {what}: {value}")
                     self._fail_dead(rank, what)
                 elif rank in processes and processes[rank].sentinel in ready:
                     self._fail_dead(rank, what)
         return [replies[r] for r in ranks]
+
+    def _dead_peer(self, rank: int, grace: float = 2.0) -> int | None:
+        """A local rank other than ``rank`` killed by a signal now or within ``grace``
+        seconds (a reset connection reaches the survivors before the death is visible); a
+        rank that exits by itself has reported its own error first."""
+        processes = self._workers.processes
+        others = {processes[r].sentinel: r for r in processes if r != rank}
+        for sentinel in wait(list(others), timeout=grace) if others else []:
+            process = processes[others[sentinel]]
+            process.join(1.0)
+            if process.exitcode is not None and process.exitcode < 0:
+                return others[sentinel]
+        return None
 
     def _fail_dead(self, rank: int, what: str) -> NoReturn:
         process = self._workers.processes.get(rank)

@@ -16,6 +16,7 @@ import torch
 from mlafx.config import ModelConfig
 from mlafx.models.attention_path import absorb_threshold
 from mlafx.models.step import StepFn
+from mlafx.parallel import TensorParallelError
 from mlafx.runtime.block_manager import BlockManager
 from mlafx.runtime.kv_connector.base import KVConnector
 from mlafx.runtime.kv_transfer import KVTransfer
@@ -119,6 +120,8 @@ class EngineCore:
         changed: list[Request] = []
         try:
             parts = [(batch, self._forward(batch))]
+        except TensorParallelError:
+            raise  # the worker group is gone: no request can be served
         except Exception as e:
             if len(batch) == 1:
                 parts = []

@@ -117,9 +117,3 @@ def gguf_tokenizer(gguf: GgufFile) -> Any | None:
             single=f"{token} $A", pair=f"{token} $A {token} $B", special_tokens=[(token, bos)]
         )
     return tokenizer
-
-
-def gguf_chat_template(gguf: GgufFile) -> str | None:
-    """``tokenizer.chat_template`` (a Jinja template), if the file has one."""
-    template = gguf.metadata.get("tokenizer.chat_template")
-    return template if isinstance(template, str) else None
