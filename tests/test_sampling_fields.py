@@ -225,3 +225,19 @@ def test_non_finite_logits_fail_their_row_only(llm):
     assert outs[1].outputs[0].finish_reason == "error"
     assert outs[0].outputs[0].token_ids == greedy(llm, PROMPT)
     assert outs[2].outputs[0].token_ids == greedy(llm, [40, 41])
+
+
+def test_compiled_step_scores_the_prompt_like_the_reference(llm):
+    """Prompt logprobs ask the step for a logits row per prompt position: the compiled step's
+    dynamic logits axis serves them as the reference model does."""
+    compiled = tiny_llm(compile=True)
+    params = mlafx.SamplingParams(max_tokens=3, prompt_logprobs=2)
+    prompts = [PROMPT, PROMPT[:4]]
+    outputs = zip(compiled.generate(prompts, params), llm.generate(prompts, params), strict=True)
+    for got, want in outputs:
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for i in range(1, len(got.prompt_token_ids)):
+            token = got.prompt_token_ids[i]
+            assert math.isclose(
+                got.prompt_logprobs[i][token], want.prompt_logprobs[i][token], abs_tol=1e-4
+            )
