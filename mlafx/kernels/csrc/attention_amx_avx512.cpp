@@ -20,6 +20,8 @@
 //     repacking of V: the kernel is memory-bound by a wide margin, so reading the cache once
 //     and never writing a copy of it is what counts. The output accumulator holds each 32
 //     features as [16 even | 16 odd] and is put back in order once, at the end.
+//   P is kept to fp32 accuracy: a high and a low bf16 part (p = hi + lo to 2^-17 relative)
+//     enter as their own A tiles, so P.V uses the fp32 weights the softmax sum adds up.
 // The next block's rows are prefetched into L2 while this one computes, a slice per q.k chunk
 // (see CoreOps::prefetch): tile loads of cold rows keep few cache misses in flight, which
 // left decode at a third of the memory bandwidth when the cache was not already in L3.
@@ -76,7 +78,7 @@ struct Layout {
   int64_t pa, pb;  // feature pairs in segments a and b
   int64_t ca, cb;  // 32-feature chunks in segments a and b
   int64_t dv, wk;  // value width; key width wa + wb
-  size_t hdr, qp, lim, s, pe, po, o, m, l, alpha, stage_k, stage_v, pf, total;
+  size_t hdr, qp, lim, s, pe, po, pel, pol, o, m, l, alpha, stage_k, stage_v, pf, total;
   explicit Layout(const CoreDims& d)
       : pa(d.wa / 2), pb(d.wb / 2), ca(d.wa / 32), cb(d.wb / 32), dv(d.dv), wk(d.wa + d.wb) {
     size_t at = 0;
@@ -91,6 +93,8 @@ struct Layout {
     s = take(4 * kBlockKeys * kMaxRows);
     pe = take(kTileBytes * kRowTiles * kSubTiles);
     po = take(kTileBytes * kRowTiles * kSubTiles);
+    pel = take(kTileBytes * kRowTiles * kSubTiles);
+    pol = take(kTileBytes * kRowTiles * kSubTiles);
     o = take(4 * kMaxRows * static_cast<size_t>(dv));
     m = take(4 * kMaxRows);
     l = take(4 * kMaxRows);
@@ -268,6 +272,8 @@ bool softmax_block(void* ws, const Layout& L, const Header& h, int64_t j0, int64
   float* alpha = at_offset<float>(ws, L.alpha);
   uint32_t* pe = at_offset<uint32_t>(ws, L.pe);
   uint32_t* po = at_offset<uint32_t>(ws, L.po);
+  uint32_t* pel = at_offset<uint32_t>(ws, L.pel);
+  uint32_t* pol = at_offset<uint32_t>(ws, L.pol);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 scale = _mm512_set1_ps(scale_log2);
   const int64_t nsub = (n + kTileRows - 1) / kTileRows;
@@ -297,6 +303,7 @@ bool softmax_block(void* ws, const Layout& L, const Header& h, int64_t j0, int64
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l + v), a);
     for (int64_t sub = 0; sub < nsub; ++sub) {
       __m512i cols[16];
+      __m512i lows[16];
       for (int64_t k = 0; k < kTileRows; ++k) {
         const int64_t key = sub * kTileRows + k;
         __m512 p = _mm512_setzero_ps();
@@ -304,15 +311,21 @@ bool softmax_block(void* ws, const Layout& L, const Header& h, int64_t j0, int64
           p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + key * gp + v), shift));
           sum = _mm512_add_ps(sum, p);
         }
-        // bf16 bits of P[row, key] in the low half of each row's 32-bit lane.
-        cols[k] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p));
+        // bf16 bits of P[row, key] (hi, then lo = p - hi) in the low half of each row's
+        // 32-bit lane.
+        const __m256bh hi = _mm512_cvtneps_pbh(p);
+        const __m512 lo = _mm512_sub_ps(p, _mm512_cvtpbh_ps(hi));
+        cols[k] = _mm512_cvtepu16_epi32((__m256i)hi);
+        lows[k] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
       }
       transpose16x16(cols);  // cols[g] = row g: its 16 keys
-      uint32_t* e = pe + (r * kSubTiles + sub) * (kTileBytes / 4);
-      uint32_t* o = po + (r * kSubTiles + sub) * (kTileBytes / 4);
+      transpose16x16(lows);
+      const int64_t at = (r * kSubTiles + sub) * (kTileBytes / 4);
       for (int g = 0; g < 16; ++g) {
-        _mm512_storeu_si512(e + 16 * g, cols[g]);
-        _mm512_storeu_si512(o + 16 * g, _mm512_slli_epi32(cols[g], 16));
+        _mm512_storeu_si512(pe + at + 16 * g, cols[g]);
+        _mm512_storeu_si512(po + at + 16 * g, _mm512_slli_epi32(cols[g], 16));
+        _mm512_storeu_si512(pel + at + 16 * g, lows[g]);
+        _mm512_storeu_si512(pol + at + 16 * g, _mm512_slli_epi32(lows[g], 16));
       }
     }
     _mm512_storeu_ps(l + v, sum);
@@ -340,32 +353,24 @@ void rescale_output(void* ws, const Layout& L, const Header& h) {
 
 // ---- P.V on tiles ------------------------------------------------------------------------------
 //
-// Key sub-tiles go in pairs, so their P tiles are loaded once per pair rather than once per
-// 32 output features. Tiles: 0/1 the even/odd accumulators of one 32-feature chunk, 2/3 and
-// 4/5 the even/odd P tiles of the pair's two sub-tiles, 6 and 7 their value chunks.
+// Per key sub-tile: tiles 2/3 hold the even/odd A tiles of P's high part, 4/5 those of its low
+// part, 6 the value chunk, 0/1 the even/odd accumulators of one 32-feature chunk.
 
-template <bool kPair>
-void pv_pair(const uint32_t* pe, const uint32_t* po, float* o, int64_t dv, const TileSource& a,
-             const TileSource& b) {
-  constexpr int64_t kTileWords = kTileBytes / 4;
+void pv_sub_tile(const uint32_t* pe, const uint32_t* po, const uint32_t* pel,
+                 const uint32_t* pol, float* o, int64_t dv, const TileSource& a) {
   const int64_t ostride = 4 * dv;
   _tile_loadd(2, pe, 64);
   _tile_loadd(3, po, 64);
-  if constexpr (kPair) {
-    _tile_loadd(4, pe + kTileWords, 64);
-    _tile_loadd(5, po + kTileWords, 64);
-  }
+  _tile_loadd(4, pel, 64);
+  _tile_loadd(5, pol, 64);
   for (int64_t c = 0; c < dv / 32; ++c) {
     _tile_loadd(0, o + 32 * c, ostride);
     _tile_loadd(1, o + 32 * c + 16, ostride);
     _tile_loadd(6, a.v + 64 * c, a.sv);
     _tile_dpbf16ps(0, 2, 6);
     _tile_dpbf16ps(1, 3, 6);
-    if constexpr (kPair) {
-      _tile_loadd(7, b.v + 64 * c, b.sv);
-      _tile_dpbf16ps(0, 4, 7);
-      _tile_dpbf16ps(1, 5, 7);
-    }
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
     _tile_stored(0, o + 32 * c, ostride);
     _tile_stored(1, o + 32 * c + 16, ostride);
   }
@@ -375,16 +380,15 @@ void pv_tiles(void* ws, const Layout& L, const Header& h, int64_t nsub, const Ti
   constexpr int64_t kTileWords = kTileBytes / 4;
   compiler_barrier();
   for (int64_t r = 0; r < h.rt; ++r) {
-    const uint32_t* pe = at_offset<uint32_t>(ws, L.pe) + r * kSubTiles * kTileWords;
-    const uint32_t* po = at_offset<uint32_t>(ws, L.po) + r * kSubTiles * kTileWords;
+    const int64_t base = r * kSubTiles * kTileWords;
+    const uint32_t* pe = at_offset<uint32_t>(ws, L.pe) + base;
+    const uint32_t* po = at_offset<uint32_t>(ws, L.po) + base;
+    const uint32_t* pel = at_offset<uint32_t>(ws, L.pel) + base;
+    const uint32_t* pol = at_offset<uint32_t>(ws, L.pol) + base;
     float* o = at_offset<float>(ws, L.o) + 16 * r * L.dv;
-    for (int64_t sub = 0; sub < nsub; sub += 2) {
+    for (int64_t sub = 0; sub < nsub; ++sub) {
       const int64_t off = sub * kTileWords;
-      if (sub + 1 < nsub) {
-        pv_pair<true>(pe + off, po + off, o, L.dv, src[sub], src[sub + 1]);
-      } else {
-        pv_pair<false>(pe + off, po + off, o, L.dv, src[sub], src[sub]);
-      }
+      pv_sub_tile(pe + off, po + off, pel + off, pol + off, o, L.dv, src[sub]);
     }
   }
 }

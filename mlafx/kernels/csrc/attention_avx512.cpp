@@ -13,7 +13,10 @@
 //     written as bf16 pairs by the softmax, V is repacked per key block into pairs of adjacent
 //     keys ([pair][d][2]), once for all rows of the group.
 // Both GEMMs use _mm512_dpbf16_ps (32 bf16 products into 16 fp32 accumulators, exact products,
-// fp32 sums); P is rounded to bf16 for the second one, the softmax sum uses fp32 P.
+// fp32 sums). P is kept to fp32 accuracy for the second one: it is split into a high and a low
+// bf16 part (p = hi + lo to 2^-17 relative) and P.V runs both, so the weights the product uses
+// are the fp32 ones the softmax sum adds up. (Rounding P to one bf16 made the output error up
+// to ~3x that of a correctly rounded bf16 result; the split costs one more dpbf16 per pair.)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -45,7 +48,7 @@ using mlafx::attn::kMaxRows;
 
 struct Layout {
   int64_t pa, pb, dvp;  // pairs in segment a / b, value width padded to 16
-  size_t hdr, qp, qtail, lim, s, pp, vp, o, m, l, alpha, pf, total;
+  size_t hdr, qp, qtail, lim, s, pp, pl, vp, o, m, l, alpha, pf, total;
   explicit Layout(const CoreDims& d) : pa(d.wa / 2), pb(d.wb / 2), dvp(round_up16(d.dv)) {
     size_t at = 0;
     auto take = [&](size_t bytes) {
@@ -59,6 +62,7 @@ struct Layout {
     lim = take(4 * kMaxRows);
     s = take(4 * kBlockKeys * kMaxRows);
     pp = take(4 * (kBlockKeys / 2) * kMaxRows);
+    pl = take(4 * (kBlockKeys / 2) * kMaxRows);
     vp = take(4 * (kBlockKeys / 2) * static_cast<size_t>(dvp));
     o = take(4 * kMaxRows * static_cast<size_t>(dvp));
     m = take(4 * kMaxRows);
@@ -200,11 +204,12 @@ void qk_block(void* ws, const Layout& L, const CoreDims& d, int64_t gp, int64_t 
   }
 }
 
-// ---- online softmax: vertical over the block's keys, P written as bf16 pairs -----------------
+// ---- online softmax: vertical over the block's keys, P written as bf16 pairs (hi and lo) -----
 
 void softmax_block(void* ws, const Layout& L, int64_t gp, int64_t n) {
   float* s = at_offset<float>(ws, L.s);
   uint32_t* pp = at_offset<uint32_t>(ws, L.pp);
+  uint32_t* pl = at_offset<uint32_t>(ws, L.pl);
   float* m = at_offset<float>(ws, L.m);
   float* l = at_offset<float>(ws, L.l);
   float* alpha = at_offset<float>(ws, L.alpha);
@@ -226,8 +231,14 @@ void softmax_block(void* ws, const Layout& L, int64_t gp, int64_t n) {
                             ? exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + (k + 1) * gp + v), shift))
                             : _mm512_setzero_ps();
       sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // [p0 | p1]
-      _mm512_storeu_si512(pp + (k / 2) * gp + v, interleave_pairs(both));
+      const __m512bh hi = _mm512_cvtne2ps_pbh(p1, p0);  // [p0 | p1]
+      const __m512i hi_bits = (__m512i)hi;
+      const __m512 hi0 = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(hi_bits));
+      const __m512 hi1 = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(hi_bits, 1));
+      // p - hi is exact in fp32; its bf16 rounding leaves p - hi - lo within 2^-17 p
+      const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1, hi1), _mm512_sub_ps(p0, hi0));
+      _mm512_storeu_si512(pp + (k / 2) * gp + v, interleave_pairs(hi_bits));
+      _mm512_storeu_si512(pl + (k / 2) * gp + v, interleave_pairs(lo));
     }
     _mm512_storeu_ps(l + v, sum);
     _mm512_storeu_ps(m + v, mx);
@@ -267,8 +278,9 @@ void pack_v(void* ws, const Layout& L, int64_t dv, int64_t n, const uint16_t* co
 // ---- P.V: O[row, d] = alpha[row] * O[row, d] + sum_pair Pp[pair, row] . Vp[pair, d] ----------
 
 template <int MR, int ND>
-inline void pv_tile(const uint32_t* pp, const uint32_t* vp, float* o, const float* alpha,
-                    int64_t gp, int64_t dvp, int64_t pairs, int64_t g0, int64_t d0) {
+inline void pv_tile(const uint32_t* pp, const uint32_t* pl, const uint32_t* vp, float* o,
+                    const float* alpha, int64_t gp, int64_t dvp, int64_t pairs, int64_t g0,
+                    int64_t d0) {
   __m512 acc[MR][ND];
   for (int r = 0; r < MR; ++r) {
     for (int c = 0; c < ND; ++c) {
@@ -281,9 +293,10 @@ inline void pv_tile(const uint32_t* pp, const uint32_t* vp, float* o, const floa
       vv[c] = _mm512_loadu_si512(vp + kp * dvp + d0 + 16 * c);
     }
     for (int r = 0; r < MR; ++r) {
-      const __m512i pr = _mm512_set1_epi32(static_cast<int>(pp[kp * gp + g0 + r]));
+      const __m512i hi = _mm512_set1_epi32(static_cast<int>(pp[kp * gp + g0 + r]));
+      const __m512i lo = _mm512_set1_epi32(static_cast<int>(pl[kp * gp + g0 + r]));
       for (int c = 0; c < ND; ++c) {
-        acc[r][c] = dp(acc[r][c], vv[c], pr);
+        acc[r][c] = dp(dp(acc[r][c], vv[c], hi), vv[c], lo);
       }
     }
   }
@@ -300,6 +313,7 @@ inline void pv_tile(const uint32_t* pp, const uint32_t* vp, float* o, const floa
 void pv_block(void* ws, const Layout& L, int64_t gp, int64_t n) {
   constexpr int MR = 8;
   const uint32_t* pp = at_offset<uint32_t>(ws, L.pp);
+  const uint32_t* pl = at_offset<uint32_t>(ws, L.pl);
   const uint32_t* vp = at_offset<uint32_t>(ws, L.vp);
   float* o = at_offset<float>(ws, L.o);
   const float* alpha = at_offset<float>(ws, L.alpha);
@@ -307,10 +321,10 @@ void pv_block(void* ws, const Layout& L, int64_t gp, int64_t n) {
   for (int64_t g0 = 0; g0 < gp; g0 += MR) {  // gp is a multiple of 16
     int64_t d0 = 0;
     for (; d0 + 32 <= L.dvp; d0 += 32) {
-      pv_tile<MR, 2>(pp, vp, o, alpha, gp, L.dvp, pairs, g0, d0);
+      pv_tile<MR, 2>(pp, pl, vp, o, alpha, gp, L.dvp, pairs, g0, d0);
     }
     if (d0 < L.dvp) {
-      pv_tile<MR, 1>(pp, vp, o, alpha, gp, L.dvp, pairs, g0, d0);
+      pv_tile<MR, 1>(pp, pl, vp, o, alpha, gp, L.dvp, pairs, g0, d0);
     }
   }
 }
