@@ -72,6 +72,9 @@ class LLM:
     Offline: ``generate(prompts, params)``. Incremental (a server's loop):
     ``add_request`` -> ``step()`` until ``has_unfinished_requests()`` is False;
     ``abort_request`` drops one. ``get_metrics()`` reports hit rates and throughput.
+    A request the engine cannot serve (its step raises alone, or its logits are not finite)
+    ends with finish reason ``"error"`` and never affects the others. ``chat_template`` is
+    the checkpoint's (``runtime/chat_template.py``; None without one).
 
     ``tensor_parallel_size=N > 1`` splits the model's heads and MLP widths over N worker
     processes (``mlafx.parallel``; each with its own cores, shard, compiled step and copy of
