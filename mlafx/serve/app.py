@@ -42,7 +42,19 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
         "description": "The whole response (JSON), or with stream=true server-sent events",
         "content": {
             "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            # OpenAPI 3.1: the schema of one event (data: a JSON chunk, or "[DONE]")
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {
+                        "data": {"type": "string"},
+                        "event": {"type": "string"},
+                        "id": {"type": "string"},
+                        "retry": {"type": "integer"},
+                    },
+                }
+            },
         },
     },
     **ERROR_RESPONSES,
