@@ -1,23 +1,13 @@
-"""bf16 attention accuracy against fp64, per case (not a test module): run as a child
-process (``python -m tests.attention_accuracy``) so each ISA path is chosen by its
-environment; prints JSON ``{"isa", "cases": {name: {"rel", "rel_rounded", "over_bound"}}}``.
-
-``rel``: the largest |out - ref| / |ref| where |ref| > 0.05 (ref: the fp64 reference on the
-same bf16 inputs); ``rel_rounded``: the same for ref rounded to bf16 (a correctly rounded
-kernel); ``over_bound``: outputs with |out - ref| > 1.5 * 2^-8 * |ref| + 1e-4 (1.5x the bf16
-rounding bound, plus fp32-accumulation slack)."""
+"""bf16 attention accuracy against fp64, per case (not a test module; scored and reported as
+``tests/bf16_accuracy.py`` describes): ``python -m tests.attention_accuracy``."""
 
 from __future__ import annotations
 
-import json
-
-import torch
-
-from mlafx.kernels import cpu_isa, mla_attention_paged, varlen_attention
+from mlafx.kernels import mla_attention_paged, varlen_attention
 from mlafx.kernels.attention_reference import mla_attention_paged_ref, varlen_attention_ref
 from tests.attention_cases import make_paged, make_varlen
+from tests.bf16_accuracy import BF16, errors, report
 
-BF16 = torch.bfloat16
 # name -> (op, builder): vLLM's and SGLang's CPU MLA test shapes (576-wide rows, 512 values,
 # 16 and 128 heads, block 16, 256 rows), long split-KV contexts, prefill and odd shapes
 PAGED = {
@@ -35,21 +25,6 @@ VARLEN = {
 }
 
 
-def _errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    out, rounded = out.double(), ref.to(BF16).double()
-    big = ref.abs() > 0.05
-
-    def rel(x: torch.Tensor) -> float:
-        return float(((x - ref).abs() / ref.abs())[big].max())
-
-    bound = 1.5 * 2**-8 * ref.abs() + 1e-4
-    return {
-        "rel": rel(out),
-        "rel_rounded": rel(rounded),
-        "over_bound": int(((out - ref).abs() > bound).sum()),
-    }
-
-
 def measure() -> dict[str, dict[str, float]]:
     results = {}
     for seed, (name, c) in enumerate(PAGED.items()):
@@ -61,16 +36,16 @@ def measure() -> dict[str, dict[str, float]]:
         args = list(p.args())
         args[0], args[1] = p.q.double(), p.kv_cache.double()
         ref, _ = mla_attention_paged_ref(*args)
-        results[name] = _errors(out, ref)
+        results[name] = errors(out, ref)
     for seed, (name, c) in enumerate(VARLEN.items()):
         v = make_varlen(c["q_lens"], c["k_lens"], 16, 128, 64, 128, BF16, c["causal"], seed)
         out, _ = varlen_attention(*v.args())
         args = list(v.args())
         args[:4] = [t.double() for t in args[:4]]
         ref, _ = varlen_attention_ref(*args)
-        results[name] = _errors(out, ref)
+        results[name] = errors(out, ref)
     return results
 
 
 if __name__ == "__main__":
-    print(json.dumps({"isa": cpu_isa(), "cases": measure()}))
+    report(measure)

@@ -16,7 +16,7 @@ import torch
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 # (out atol, out rtol, lse atol) per dtype: bf16 and fp16 round the output (the bf16 paths
-# keep P at fp32 accuracy: test_kernel_attention_accuracy.py holds them to 1.5x correct
+# keep P at fp32 accuracy: test_kernel_bf16_accuracy.py holds them to 1.5x correct
 # rounding); fp32 only reorders fp32 sums.
 TOLERANCES = {
     torch.bfloat16: (1.5e-2, 1.5e-2, 2e-3),

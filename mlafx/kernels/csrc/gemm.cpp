@@ -8,7 +8,7 @@
 //       the exact inverse of pack_linear_weight
 //   linear_decode(x [M, K], packed, out_features = N) -> out [M, N]   (x's dtype)
 //       x last-dim contiguous (rows may be strided); fp32 accumulation, one rounding at the end
-//   linear_packed(x [M, K], packed, out_features = N, bias?) -> x @ W^T + bias
+//   linear_packed(x [M, K], packed, out_features = N, bias?) -> x @ W^T + bias, rounded once
 //       what the compiler lowers a model's linears to, so the packed copy is the only copy of
 //       W: linear_decode for M <= stream_max_rows(); above, where the product is
 //       compute-bound, ATen's matmul (oneDNN) on W unpacked a chunk of output rows at a time
@@ -38,6 +38,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
@@ -233,8 +234,8 @@ namespace {
 // block b is W[16b + r, k] at packed[b, k / 2, 2r + k % 2]; rows past N and the second half of
 // an odd K's last pair are zero.
 template <typename scalar_t>
-void pack_blocks(const scalar_t* w, int64_t N, int64_t K, scalar_t* packed, int64_t b0,
-                 int64_t b1) {
+void pack_blocks(const scalar_t* w, int64_t ldw, int64_t N, int64_t K, scalar_t* packed,
+                 int64_t b0, int64_t b1) {
   constexpr int64_t kLine = 2 * kPackedBlockRows;  // one column pair of the block's 16 rows
   const int64_t K2 = (K + 1) / 2;
   const scalar_t zero(0);
@@ -250,7 +251,7 @@ void pack_blocks(const scalar_t* w, int64_t N, int64_t K, scalar_t* packed, int6
         }
         continue;
       }
-      const scalar_t* row = w + n * K;
+      const scalar_t* row = w + n * ldw;
       for (int64_t kp = 0; kp < K / 2; ++kp) {
         out[kp * kLine] = row[2 * kp];
         out[kp * kLine + 1] = row[2 * kp + 1];
@@ -287,7 +288,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight  // [N, K]
                                     const scalar_t* src = w.const_data_ptr<scalar_t>();
                                     scalar_t* dst = packed.data_ptr<scalar_t>();
                                     at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-                                      pack_blocks(src, N, K, dst, b0, b1);
+                                      pack_blocks(src, K, N, K, dst, b0, b1);
                                     });
                                   });
   return packed;
@@ -384,9 +385,10 @@ at::Tensor unpack_linear_weight(const at::Tensor& packed,  // [ceil(N/16), ceil(
 constexpr int64_t kBlocksPerStep = 16;
 
 // The streaming kernel on checked inputs.
+// With a bias, it is added to the fp32 sums: one rounding, as for the product alone.
 at::Tensor linear_streaming(const at::Tensor& x,       // [M, K]
                             const at::Tensor& packed,  // [ceil(N/16), ceil(K/2), 32]
-                            int64_t N) {
+                            int64_t N, const at::Tensor* bias = nullptr) {  // [N] or none
   const int64_t M = x.size(0);
   const int64_t K = x.size(1);
   const int64_t blocks = packed.size(0);
@@ -406,6 +408,7 @@ at::Tensor linear_streaming(const at::Tensor& x,       // [M, K]
   constexpr int64_t step_rows = kBlocksPerStep * kPackedBlockRows;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_decode", [&] {
     scalar_t* out_data = out.data_ptr<scalar_t>();
+    const scalar_t* bias_data = bias != nullptr ? bias->const_data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(static_cast<size_t>(M * step_rows));
       for (int64_t b0 = begin; b0 < end; b0 += kBlocksPerStep) {
@@ -414,7 +417,12 @@ at::Tensor linear_streaming(const at::Tensor& x,       // [M, K]
         const int64_t n0 = b0 * kPackedBlockRows;
         const int64_t n1 = std::min(N, b1 * kPackedBlockRows);
         for (int64_t m = 0; m < M; ++m) {
-          const float* src = scratch.data() + m * step_rows - n0;
+          float* src = scratch.data() + m * step_rows - n0;
+          if (bias_data != nullptr) {
+            for (int64_t n = n0; n < n1; ++n) {
+              src[n] += static_cast<float>(bias_data[n]);
+            }
+          }
           scalar_t* dst = out_data + m * N;
           // With short rows (kv_b_proj: K = 512) a scalar rounding loop took ~10% of the time.
           if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
@@ -456,9 +464,10 @@ constexpr int64_t kUnpackChunkBytes = int64_t{4} << 20;
 // x [M, K] @ W^T on checked inputs, for M above stream_max_rows(): W unpacked a chunk of output
 // rows (a multiple of 16) at a time into one row-major scratch, which ATen's mm (oneDNN)
 // multiplies into those columns of the output. No copy of the whole W is ever made.
+// A bias goes in through addmm, which oneDNN adds before its one rounding.
 at::Tensor linear_chunked_mm(const at::Tensor& x,       // [M, K]
                              const at::Tensor& packed,  // [ceil(N/16), ceil(K/2), 32]
-                             int64_t N) {
+                             int64_t N, const at::Tensor* bias = nullptr) {  // [N] or none
   const int64_t M = x.size(0);
   const int64_t K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
@@ -475,7 +484,11 @@ at::Tensor linear_chunked_mm(const at::Tensor& x,       // [M, K]
     const int64_t rows = std::min(chunk_rows, N - n0);
     unpack_rows_parallel(packed, K, n0, n0 + rows, scratch.data_ptr(), K);
     at::Tensor columns = out.narrow(1, n0, rows);  // [M, rows], row stride N
-    at::mm_out(columns, x, scratch.narrow(0, 0, rows).t());
+    if (bias != nullptr) {
+      at::addmm_out(columns, bias->narrow(0, n0, rows), x, scratch.narrow(0, 0, rows).t());
+    } else {
+      at::mm_out(columns, x, scratch.narrow(0, 0, rows).t());
+    }
   }
   return out;
 }
@@ -513,15 +526,18 @@ at::Tensor linear_packed(const at::Tensor& x,       // [M, K]
     TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), "linear_packed: bias dtype ",
                      bias->scalar_type(), " must equal x's dtype ", x.scalar_type());
   }
-  at::Tensor out = x.size(0) <= stream_max_rows(x) ? linear_streaming(x, packed, out_features)
-                                                   : linear_chunked_mm(x, packed, out_features);
-  if (has_bias) {
-    out.add_(*bias);
-  }
-  return out;
+  const at::Tensor bias_values = has_bias ? bias->contiguous() : at::Tensor();
+  const at::Tensor* b = has_bias ? &bias_values : nullptr;
+  return x.size(0) <= stream_max_rows(x) ? linear_streaming(x, packed, out_features, b)
+                                         : linear_chunked_mm(x, packed, out_features, b);
 }
 
 }  // namespace
+
+void pack_rows_16bit(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, uint16_t* packed) {
+  pack_blocks(w, ldw, N, K, packed, 0, (N + kPackedBlockRows - 1) / kPackedBlockRows);
+}
+
 }  // namespace mlafx
 
 TORCH_LIBRARY_FRAGMENT(mlafx, m) {

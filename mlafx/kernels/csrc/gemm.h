@@ -44,6 +44,12 @@ void rows_dot(FloatKind kind, const void* x, int64_t ldx, int64_t M, const void*
 void packed_dot(FloatKind kind, const void* x, int64_t ldx, int64_t M, const void* wp, int64_t K,
                 int64_t block_begin, int64_t block_end, float* out, int64_t ldo);
 
+// Rows [0, N) of a row-major 16-bit (bf16/fp16) W (row stride ldw, K columns) into the packed
+// layout above: ceil(N/16) blocks, padding rows and the odd column's partner zero. What
+// pack_linear_weight does at load time, for callers that pack a weight's rows into a scratch
+// buffer a chunk at a time (moe_experts' compute-bound expert groups).
+void pack_rows_16bit(const uint16_t* w, int64_t ldw, int64_t N, int64_t K, uint16_t* packed);
+
 }  // namespace mlafx
 
 namespace mlafx::avx512 {

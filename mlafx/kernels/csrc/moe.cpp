@@ -17,12 +17,17 @@
 //   thread streams its own share of the weights once with the rows_dot kernel (gemm.h), so
 //   both cores pull bandwidth. In the second pass a thread owns output columns [d0, d1), so a
 //   token that picked the same expert twice, or several experts, never races with itself.
-// - many pairs (prefill): compute-bound. Gather the tokens, two ATen GEMMs (oneDNN, with its
-//   own blocking, threads and ISA choice) and silu*up in between, exactly the reference's
-//   arithmetic; the weighted rows are added into the fp32 sum by output columns.
+// - many pairs (prefill): compute-bound. bf16 on an AVX-512 BF16 CPU: the same two passes
+//   over each such expert with packed_dot (VDPBF16PS or tiles) on its weight rows packed a
+//   chunk at a time in cache; otherwise ATen's GEMMs in fp32.
+// Accuracy (issue 27): gate and up are fp32 sums, and h = silu(g) * u is not rounded to x's
+// dtype before the down projection: in bf16/fp16 it goes in as two parts, hi + lo (see
+// store_h), so the result is as accurate as one rounding of the fp64 value (within 1.5x;
+// tests/test_kernel_moe_accuracy.py). That costs the down projection twice the arithmetic.
 // Measured (bench/kernel_cases/moe_gemm.py, bf16, 2 threads, D=2048, I=1408, 4 experts, top-2,
-// cold weights): 8 tokens at 81-90% of the read bandwidth over the touched experts (1.7x the
-// eager grouped reference); 4096 tokens at 71-85% of the bf16 matmul rate (1.2-2.4x eager).
+// cold weights; before the hi/lo split): 8 tokens at 81-90% of the read bandwidth over the
+// touched experts (1.7x the eager grouped reference); 4096 tokens at 71-85% of the bf16 matmul
+// rate (1.2-2.4x eager).
 // Python reference: mlafx/kernels/moe_reference.py::moe_experts_ref.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -41,6 +46,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "gemm.h"
@@ -89,24 +95,47 @@ struct Problem {
   float* sum;                   // fp32 [T, D], contiguous
 };
 
-// acc[t(p)] += weight(p) * rows[j] over columns [d0, d1), for the pairs of a group.
+// acc[t(p)] += weight(p) * (rows[parts * j] + ... + rows[parts * j + parts - 1]) over columns
+// [d0, d1), for the pairs j of a group: each pair's product comes in `parts` rows (the high and
+// low parts of h, or one row).
 void add_weighted_rows(const Problem& pb, const Routing& routing, const ExpertGroup& group,
-                       const float* rows, int64_t ld_rows, int64_t d0, int64_t d1) {
+                       const float* rows, int64_t ld_rows, int64_t parts, int64_t d0,
+                       int64_t d1) {
   for (int64_t j = 0; j < group.size(); ++j) {
     const int64_t pair = routing.sorted_pairs[group.begin + j];
     const int64_t token = pair / pb.num_pairs_per_token;
     const float weight = pb.weights[pair];
     float* dst = pb.sum + token * pb.hidden;
-    const float* src = rows + j * ld_rows - d0;
+    const float* src = rows + j * parts * ld_rows - d0;
     for (int64_t d = d0; d < d1; ++d) {
-      dst[d] += weight * src[d];
+      float v = src[d];
+      for (int64_t q = 1; q < parts; ++q) {
+        v += src[q * ld_rows + d];
+      }
+      dst[d] += weight * v;
     }
+  }
+}
+
+// h = silu(g) * u, kept at fp32 accuracy in 16-bit types as two parts, hi + lo: hi is h
+// rounded, lo the rounded rest (h - hi is exact in fp32, so hi + lo is within 2^-17 |h|); the
+// down projection multiplies both, like attention's P (attention_avx512.cpp). fp32 needs one.
+template <typename scalar_t>
+constexpr int64_t kParts = std::is_same_v<scalar_t, float> ? 1 : 2;
+
+template <typename scalar_t>
+void store_h(float v, scalar_t* dst, int64_t part_stride) {
+  const scalar_t hi = static_cast<scalar_t>(v);
+  dst[0] = hi;
+  if constexpr (kParts<scalar_t> == 2) {
+    dst[part_stride] = static_cast<scalar_t>(v - static_cast<float>(hi));
   }
 }
 
 template <typename scalar_t>
 void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const at::Tensor& x,
                    const at::Tensor& w13, const at::Tensor& w2) {
+  constexpr int64_t parts = kParts<scalar_t>;
   const FloatKind kind = float_kind(x.scalar_type());
   const int64_t D = pb.hidden;
   const int64_t I = pb.inter;
@@ -123,7 +152,8 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
   const at::Tensor token_index =
       at::from_blob(tokens.data(), {P}, at::TensorOptions().dtype(at::kLong));
   const at::Tensor xs = at::index_select(x, 0, token_index).contiguous();  // [P, D]
-  at::Tensor h = at::empty({P, I}, x.options());                           // [P, I]
+  // h's parts row by row: [P, parts, I], so a group's rows of parts are one strided matrix.
+  at::Tensor h = at::empty({P, parts, I}, x.options());
   const scalar_t* xs_data = xs.const_data_ptr<scalar_t>();
   scalar_t* h_data = h.data_ptr<scalar_t>();
   const scalar_t* w13_data = w13.const_data_ptr<scalar_t>();
@@ -131,31 +161,33 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
   const int64_t w13_expert = w13.stride(0), w13_row = w13.stride(1);
   const int64_t w2_expert = w2.stride(0), w2_row = w2.stride(1);
   const int64_t num_groups = static_cast<int64_t>(routing.streaming.size());
-  // On the tile unit each group's rows of x (then of h) are packed once as its B operand.
+  // On the tile unit each group's rows of x (then each part of its rows of h) are packed once
+  // as a B operand of at most 16 rows.
   const int64_t packed_elems = std::max(D, I) * 16;  // K/2 pairs x 16 rows x 2
-  std::vector<uint16_t> packed(tiles ? static_cast<size_t>(num_groups * packed_elems) : 0);
-  auto packed_rows = [&](int64_t g) { return packed.data() + g * packed_elems; };
-  auto pack_groups = [&](const scalar_t* rows, int64_t width) {
-    for (int64_t g = 0; g < num_groups; ++g) {
-      const auto* first = reinterpret_cast<const uint16_t*>(rows + row_of_group[g] * width);
-      avx512::pack_rows_for_tiles(first, width, routing.streaming[g].size(), width,
-                                  packed_rows(g));
-    }
+  std::vector<uint16_t> packed(tiles ? static_cast<size_t>(num_groups * parts * packed_elems)
+                                     : 0);
+  auto packed_rows = [&](int64_t g, int64_t part) {
+    return packed.data() + (g * parts + part) * packed_elems;
   };
-  // out[j, n - n0] = rows j of group g (x or h, `width` wide) . w[n] for n in [n0, n1)
-  auto dot = [&](int64_t g, const scalar_t* rows, int64_t width, const scalar_t* w, int64_t ldw,
-                 int64_t n0, int64_t n1, float* out) {
-    const int64_t M = routing.streaming[g].size();
+  // out[r * ldo + n - n0] = row r of group g's `rows` (`width` wide, row stride ldx, r <
+  // num_rows) . w[n] for n in [n0, n1); on tiles, the rows packed as `part`.
+  auto dot = [&](int64_t g, int64_t part, const scalar_t* rows, int64_t ldx, int64_t num_rows,
+                 int64_t width, const scalar_t* w, int64_t ldw, int64_t n0, int64_t n1,
+                 float* out, int64_t ldo) {
     if (tiles) {
-      avx512::rows_dot_bf16_amx(packed_rows(g), M, reinterpret_cast<const uint16_t*>(w), ldw,
-                                width, n0, n1, out, kRowsPerStep);
+      avx512::rows_dot_bf16_amx(packed_rows(g, part), num_rows,
+                                reinterpret_cast<const uint16_t*>(w), ldw, width, n0, n1, out,
+                                ldo);
     } else {
-      rows_dot(kind, rows + row_of_group[g] * width, width, M, w, ldw, width, n0, n1, out,
-               kRowsPerStep);
+      rows_dot(kind, rows, ldx, num_rows, w, ldw, width, n0, n1, out, ldo);
     }
   };
   if (tiles) {
-    pack_groups(xs_data, D);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      avx512::pack_rows_for_tiles(
+          reinterpret_cast<const uint16_t*>(xs_data + row_of_group[g] * D), D,
+          routing.streaming[g].size(), D, packed_rows(g, 0));
+    }
   }
 
   // Pass 1: h = silu(x @ gate^T) * (x @ up^T), threads split the rows i of gate and up.
@@ -166,14 +198,16 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
       const int64_t i1 = std::min(end, i0 + kRowsPerStep);
       for (int64_t g = 0; g < num_groups; ++g) {
         const ExpertGroup& group = routing.streaming[g];
+        const scalar_t* rows = xs_data + row_of_group[g] * D;
         const scalar_t* w = w13_data + group.expert * w13_expert;
-        dot(g, xs_data, D, w, w13_row, i0, i1, gate.data());
-        dot(g, xs_data, D, w, w13_row, I + i0, I + i1, up.data());
+        dot(g, 0, rows, D, group.size(), D, w, w13_row, i0, i1, gate.data(), kRowsPerStep);
+        dot(g, 0, rows, D, group.size(), D, w, w13_row, I + i0, I + i1, up.data(),
+            kRowsPerStep);
         for (int64_t j = 0; j < group.size(); ++j) {
-          scalar_t* dst = h_data + (row_of_group[g] + j) * I;
+          scalar_t* dst = h_data + (row_of_group[g] + j) * parts * I;
           for (int64_t i = i0; i < i1; ++i) {
             const int64_t at = j * kRowsPerStep + (i - i0);
-            dst[i] = static_cast<scalar_t>(silu(gate[at]) * up[at]);
+            store_h(silu(gate[at]) * up[at], dst + i, I);
           }
         }
       }
@@ -181,23 +215,113 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
   });
 
   if (tiles) {
-    pack_groups(h_data, I);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      for (int64_t part = 0; part < parts; ++part) {
+        avx512::pack_rows_for_tiles(
+            reinterpret_cast<const uint16_t*>(h_data + (row_of_group[g] * parts + part) * I),
+            parts * I, routing.streaming[g].size(), I, packed_rows(g, part));
+      }
+    }
   }
 
   // Pass 2: sum[t] += weight * h @ w2^T, threads split the rows d of w2 (= output columns).
+  // Row parts * j + q of y is part q of pair j's product.
   at::parallel_for(0, D, kRowsPerStep / 2, [&](int64_t begin, int64_t end) {
-    std::vector<float> y(static_cast<size_t>(kMaxStreamingPairs * kRowsPerStep));
+    std::vector<float> y(static_cast<size_t>(parts * kMaxStreamingPairs * kRowsPerStep));
     for (int64_t d0 = begin; d0 < end; d0 += kRowsPerStep) {
       const int64_t d1 = std::min(end, d0 + kRowsPerStep);
       for (int64_t g = 0; g < num_groups; ++g) {
         const ExpertGroup& group = routing.streaming[g];
-        dot(g, h_data, I, w2_data + group.expert * w2_expert, w2_row, d0, d1, y.data());
-        add_weighted_rows(pb, routing, group, y.data(), kRowsPerStep, d0, d1);
+        const scalar_t* w = w2_data + group.expert * w2_expert;
+        const scalar_t* rows = h_data + row_of_group[g] * parts * I;
+        if (tiles) {  // one packed operand per part
+          for (int64_t part = 0; part < parts; ++part) {
+            dot(g, part, nullptr, 0, group.size(), I, w, w2_row, d0, d1,
+                y.data() + part * kRowsPerStep, parts * kRowsPerStep);
+          }
+        } else {  // the parts' rows interleave: one matrix of parts * size rows
+          dot(g, 0, rows, I, parts * group.size(), I, w, w2_row, d0, d1, y.data(),
+              kRowsPerStep);
+        }
+        add_weighted_rows(pb, routing, group, y.data(), kRowsPerStep, parts, d0, d1);
       }
     }
   });
 }
 
+// Many pairs, bf16 on an AVX-512 BF16 CPU: the same two passes with fp32 results, but each
+// thread packs its share of the expert's weight rows (kBlockedRows at a time, into a scratch
+// that stays in cache) and multiplies all the group's rows by it with packed_dot, which is
+// compute-bound there (VDPBF16PS or the tile unit). The weight is read from memory once per
+// call; the x (then h) rows once per chunk, from cache for prefill-sized groups.
+constexpr int64_t kBlockedRows = 4 * kPackedBlockRows;
+
+void run_blocked_group(const Problem& pb, const Routing& routing, const ExpertGroup& group,
+                       const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2) {
+  using scalar_t = c10::BFloat16;
+  constexpr int64_t parts = kParts<scalar_t>;
+  const int64_t D = pb.hidden;
+  const int64_t I = pb.inter;
+  const int64_t c = group.size();
+  std::vector<int64_t> tokens;
+  for (int64_t j = group.begin; j < group.end; ++j) {
+    tokens.push_back(routing.sorted_pairs[j] / pb.num_pairs_per_token);
+  }
+  const at::Tensor token_index =
+      at::from_blob(tokens.data(), {c}, at::TensorOptions().dtype(at::kLong));
+  const at::Tensor xe = at::index_select(x, 0, token_index).contiguous();  // [c, D]
+  at::Tensor h = at::empty({c, parts, I}, x.options());                    // [c, parts, I]
+  const auto* xe_data = reinterpret_cast<const uint16_t*>(xe.const_data_ptr<scalar_t>());
+  scalar_t* h_data = h.data_ptr<scalar_t>();
+  const auto* w13_data =
+      reinterpret_cast<const uint16_t*>(w13[group.expert].const_data_ptr<scalar_t>());
+  const auto* w2_data =
+      reinterpret_cast<const uint16_t*>(w2[group.expert].const_data_ptr<scalar_t>());
+  const int64_t w13_row = w13.stride(1), w2_row = w2.stride(1);
+
+  // Pass 1: threads split the rows i of gate and up.
+  at::parallel_for(0, I, kBlockedRows, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> gate_w(static_cast<size_t>(kBlockedRows * (D + 1)));
+    std::vector<uint16_t> up_w(gate_w.size());
+    std::vector<float> gate(static_cast<size_t>(c * kBlockedRows));
+    std::vector<float> up(gate.size());
+    for (int64_t i0 = begin; i0 < end; i0 += kBlockedRows) {
+      const int64_t n = std::min(end - i0, kBlockedRows);
+      const int64_t blocks = (n + kPackedBlockRows - 1) / kPackedBlockRows;
+      pack_rows_16bit(w13_data + i0 * w13_row, w13_row, n, D, gate_w.data());
+      pack_rows_16bit(w13_data + (I + i0) * w13_row, w13_row, n, D, up_w.data());
+      packed_dot(FloatKind::kBFloat16, xe_data, D, c, gate_w.data(), D, 0, blocks, gate.data(),
+                 kBlockedRows);
+      packed_dot(FloatKind::kBFloat16, xe_data, D, c, up_w.data(), D, 0, blocks, up.data(),
+                 kBlockedRows);
+      for (int64_t j = 0; j < c; ++j) {
+        scalar_t* dst = h_data + j * parts * I + i0;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t at = j * kBlockedRows + i;
+          store_h(silu(gate[at]) * up[at], dst + i, I);
+        }
+      }
+    }
+  });
+
+  // Pass 2: threads split the rows d of w2; the parts of h are parts * c rows of width I.
+  const auto* h_rows = reinterpret_cast<const uint16_t*>(h_data);
+  at::parallel_for(0, D, kBlockedRows, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> down_w(static_cast<size_t>(kBlockedRows * (I + 1)));
+    std::vector<float> y(static_cast<size_t>(parts * c * kBlockedRows));
+    for (int64_t d0 = begin; d0 < end; d0 += kBlockedRows) {
+      const int64_t n = std::min(end - d0, kBlockedRows);
+      pack_rows_16bit(w2_data + d0 * w2_row, w2_row, n, I, down_w.data());
+      packed_dot(FloatKind::kBFloat16, h_rows, I, parts * c, down_w.data(), I, 0,
+                 (n + kPackedBlockRows - 1) / kPackedBlockRows, y.data(), kBlockedRows);
+      add_weighted_rows(pb, routing, group, y.data(), kBlockedRows, parts, d0, d0 + n);
+    }
+  });
+}
+
+// Many pairs in the other cases: ATen's GEMMs in fp32 (a bf16/fp16 GEMM would round its
+// result before silu and the down projection), on fp32 copies of x's rows and the expert's
+// weights: the portable path and fp16 pay for the widening; fp32 is unchanged.
 template <typename scalar_t>
 void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup& group,
                     const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2) {
@@ -208,20 +332,14 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
   }
   const at::Tensor token_index =
       at::from_blob(tokens.data(), {group.size()}, at::TensorOptions().dtype(at::kLong));
-  const at::Tensor xe = at::index_select(x, 0, token_index);       // [c, D]
-  const at::Tensor gate_up = at::matmul(xe, w13[group.expert].t());  // [c, 2I]
+  const at::Tensor xe = at::index_select(x, 0, token_index).to(at::kFloat);  // [c, D]
+  const at::Tensor gate_up = at::matmul(xe, w13[group.expert].to(at::kFloat).t());  // [c, 2I]
   const at::Tensor h = at::mul(at::silu(gate_up.narrow(1, 0, I)), gate_up.narrow(1, I, I));
-  const at::Tensor y = at::matmul(h, w2[group.expert].t()).contiguous();             // [c, D]
-  const scalar_t* y_data = y.const_data_ptr<scalar_t>();
+  const at::Tensor y = at::matmul(h, w2[group.expert].to(at::kFloat).t()).contiguous();  // [c, D]
+  const float* y_data = y.const_data_ptr<float>();
   const int64_t D = pb.hidden;
   at::parallel_for(0, D, 256, [&](int64_t d0, int64_t d1) {
-    std::vector<float> rows(static_cast<size_t>(group.size() * (d1 - d0)));
-    for (int64_t j = 0; j < group.size(); ++j) {
-      for (int64_t d = d0; d < d1; ++d) {
-        rows[j * (d1 - d0) + (d - d0)] = static_cast<float>(y_data[j * D + d]);
-      }
-    }
-    add_weighted_rows(pb, routing, group, rows.data(), d1 - d0, d0, d1);
+    add_weighted_rows(pb, routing, group, y_data + d0, D, 1, d0, d1);
   });
 }
 
@@ -289,9 +407,13 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
     if (!routing.streaming.empty()) {
       run_streaming<scalar_t>(pb, routing, tiles, x, w13, w2);
     }
-    // One expert at a time: ATen's GEMM runs on all threads itself (regions never nest).
+    // One expert at a time, each on all threads (parallel regions never nest).
     for (const ExpertGroup& group : routing.gemm) {
-      run_gemm_group<scalar_t>(pb, routing, group, x, w13, w2);
+      if (std::is_same_v<scalar_t, c10::BFloat16> && use_avx512_bf16()) {
+        run_blocked_group(pb, routing, group, x, w13, w2);
+      } else {
+        run_gemm_group<scalar_t>(pb, routing, group, x, w13, w2);
+      }
     }
   });
   return sum.to(x.scalar_type());
