@@ -256,6 +256,11 @@ def linear_decode(x, packed_weight, out_features: int):
     return op.MatMul(x, op.Transpose(weight))
 
 
+def batched_matmul(x, w):
+    """``mlafx::batched_matmul``: ``torch.bmm``, a batched MatMul."""
+    return op.MatMul(x, w)
+
+
 def translation_table() -> dict[torch._ops.OpOverload, object]:
     """``{op overload: onnxscript translation}`` for ``torch.onnx.export``."""
     import mlafx.export.functional_step  # noqa: F401  (defines the *_with_rows ops)
@@ -269,6 +274,7 @@ def translation_table() -> dict[torch._ops.OpOverload, object]:
         mlafx.merge_attn_states.default: merge_attn_states,
         mlafx.moe_experts.default: moe_experts,
         mlafx.linear_decode.default: linear_decode,
+        mlafx.batched_matmul.default: batched_matmul,
         export_ops.mla_attention_paged_with_rows.default: mla_attention_paged_with_rows,
         export_ops.gather_latent_with_rows.default: gather_latent_with_rows,
     }

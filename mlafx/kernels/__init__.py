@@ -3,7 +3,8 @@
 Importing this package loads the C++ extension ``mlafx._C`` (failing loudly with a rebuild
 hint if it is missing or stale) and registers the ops' fake implementations.
 
-- ``extension.py``: loading, build checks, ``library_path()``, ``cpu_isa()``
+- ``extension.py``: loading, build checks, ``library_path()``, ``cpu_isa()``, the
+  batch-invariant mode switch
 - ``ops.py``: typed wrappers and fakes; the schemas live in ``csrc/<family>.cpp``
 - ``reference.py``: slow Python references the tests compare against
 - ``attention_ops.py``, ``attention_reference.py``: the attention ops' wrappers/fakes, references
@@ -25,13 +26,16 @@ from mlafx.kernels.attention_ops import (
 )
 from mlafx.kernels.extension import (
     ExtensionLoadError,
+    batch_invariant,
     cpu_isa,
     library_path,
     load_extension,
     parallel_num_threads,
+    set_batch_invariant,
 )
 from mlafx.kernels.fp8_ops import linear_fp8, moe_experts_fp8
 from mlafx.kernels.gemm_ops import (
+    batched_matmul,
     linear_decode,
     linear_packed,
     pack_linear_weight,
@@ -48,6 +52,8 @@ from mlafx.kernels.quant_ops import (
 
 __all__ = [
     "ExtensionLoadError",
+    "batch_invariant",
+    "batched_matmul",
     "cpu_isa",
     "gather_latent",
     "library_path",
@@ -65,6 +71,7 @@ __all__ = [
     "parallel_num_threads",
     "quant_cpu_isa",
     "quantize_linear_weight",
+    "set_batch_invariant",
     "unpack_linear_weight",
     "varlen_attention",
     "write_latent_cache",

@@ -106,3 +106,20 @@ def parallel_num_threads() -> int:
     ``torch.get_num_threads()``; 1 means the build lost OpenMP)."""
     load_extension()
     return torch.ops.mlafx.parallel_num_threads()
+
+
+def batch_invariant() -> bool:
+    """Whether the kernels run in batch-invariant mode in this process (see
+    ``set_batch_invariant``)."""
+    load_extension()
+    return torch.ops.mlafx.batch_invariant()
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Batch-invariant mode, process-wide (issue 27): each op computes every row of its output
+    with arithmetic that does not depend on the call's other rows (attention keys split at
+    fixed positions and always merged, every expert group streamed, every linear row
+    streamed), so a row's result is bitwise the same in any batch. Slower than the default,
+    whose kernel choices follow the batch's shape. The engine sets it before each step."""
+    load_extension()
+    torch.ops.mlafx.set_batch_invariant(bool(enabled))

@@ -5,7 +5,8 @@ as a named weight in place of the checkpoint's: :func:`linear_decode` streams it
 bandwidth for a few rows of x (decode: lm_head, projections, shared experts);
 :func:`linear_packed` picks that or, for more rows, ATen's matmul on the weight unpacked a
 chunk of rows at a time. :func:`unpack_linear_weight` is the inverse of the packing.
-References: ``gemm_reference.py``.
+:func:`batched_matmul` is ``torch.bmm`` for the absorbed attention's per-head products, in
+fixed row tiles in batch-invariant mode. References: ``gemm_reference.py``.
 """
 
 from __future__ import annotations
@@ -117,3 +118,18 @@ def linear_packed(
     lowers a model's linears to, so one graph serves decode and prefill steps with one copy
     of each weight."""
     return torch.ops.mlafx.linear_packed(x, packed_weight, out_features, bias)
+
+
+@torch.library.register_fake("mlafx::batched_matmul")
+def _batched_matmul_fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    torch._check(x.dim() == 3 and w.dim() == 3, lambda: "x and w must be 3-D")
+    torch._check(x.shape[0] == w.shape[0] and x.shape[2] == w.shape[1])
+    torch._check(x.dtype == w.dtype, lambda: f"w dtype {w.dtype} must equal x's {x.dtype}")
+    return x.new_empty((x.shape[0], x.shape[1], w.shape[2]))
+
+
+def batched_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, M, K] @ w [B, K, N] -> [B, M, N] (``torch.bmm``); in batch-invariant mode
+    (``set_batch_invariant``) computed as fixed 16-row tiles, so a row's result never depends
+    on M."""
+    return torch.ops.mlafx.batched_matmul(x, w)

@@ -37,7 +37,9 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (topk_ids [T, k] int64, topk_weights [T, k] float32)."""
         cfg = self.cfg
-        logits = F.linear(x.to(torch.float32), self.weight.to(torch.float32))
+        # the weight is float32 itself (loaders keep it so), so the compiler lowers this
+        # linear like the others: onto the packed-weight kernel, batch-invariant when asked
+        logits = F.linear(x.to(torch.float32), self.weight)
         scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
         num_tokens = scores.shape[0]
         per_group = cfg.n_routed_experts // cfg.n_group

@@ -55,7 +55,8 @@ def absorbed_attention(
 ) -> tuple[fx.Node, fx.Node]:  # out [N, H, V], lse [H, N] fp32
     """q_lat = [q_nope W_UK | q_pe]; mla_attention_paged; out = out_lat W_UV^T."""
     site = emit.site
-    q_lat = emit(aten.bmm.default, emit(aten.transpose.int, q_nope, 0, 1), emit.weights.w_uk)
+    q_nope_h = emit(aten.transpose.int, q_nope, 0, 1)  # [H, N, P]
+    q_lat = emit(mlafx_ops.batched_matmul.default, q_nope_h, emit.weights.w_uk)  # [H, N, Lkv]
     query = emit(aten.cat.default, [emit(aten.transpose.int, q_lat, 0, 1), q_pe], -1)
     attn = emit(
         mlafx_ops.mla_attention_paged.default,
@@ -70,7 +71,7 @@ def absorbed_attention(
     )
     out_lat = emit(operator.getitem, attn, 0)  # [N, H, Lkv]
     out_lat_h = emit(aten.transpose.int, out_lat, 0, 1)  # [H, N, Lkv]
-    out = emit(aten.bmm.default, out_lat_h, emit.weights.w_uv_t)  # [H, N, V]
+    out = emit(mlafx_ops.batched_matmul.default, out_lat_h, emit.weights.w_uv_t)  # [H, N, V]
     return emit.contiguous(emit(aten.transpose.int, out, 0, 1)), emit(operator.getitem, attn, 1)
 
 

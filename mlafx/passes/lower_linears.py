@@ -4,8 +4,8 @@ rows at a time for ATen's GEMM. The packed copy replaces the checkpoint's weight
 
 Pattern: ``aten.linear(x, W)`` or ``aten.linear(x, W, b)`` where ``W`` is a 2-D weight of the
 graph (a ``get_attr``: q/kv/o projections, shared experts, dense MLPs, lm_head, and the
-split attention path's ``kv_b_proj`` decompression) and ``x`` is 2-D. Weights computed in
-the graph (the fp32 router's cast weight) do not match.
+split attention path's ``kv_b_proj`` decompression, the fp32 router's gate) and ``x`` is
+2-D. Weights computed in the graph do not match.
 Replacement: ``mlafx.linear_packed(x, W_packed, N, b)``, where ``W_packed`` =
 ``pack_linear_weight(W)`` is a derived constant named ``<W's name>_packed`` next to ``W`` and
 ``N`` is ``W``'s number of rows.

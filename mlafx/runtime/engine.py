@@ -52,6 +52,22 @@ log = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 
 
+def check_batch_invariant(compile: bool, quantization: object, tensor_parallel_size: int) -> None:
+    """What batch-invariant serving needs (the compiled step's kernels carry the mode)."""
+    if not compile:
+        raise ValueError(
+            "batch_invariant needs compile=True: the reference model runs ATen's kernels, "
+            "whose sums follow the batch's shape"
+        )
+    if quantization is not None:
+        raise ValueError(
+            "batch_invariant is not supported with quantization yet (the quantized kernels' "
+            "choices still follow the batch's shape)"
+        )
+    if tensor_parallel_size != 1:
+        raise ValueError("batch_invariant is not supported with tensor_parallel_size > 1 yet")
+
+
 class LLM:
     """Inference over a paged latent KV cache.
 
@@ -67,7 +83,10 @@ class LLM:
     expert stack as it loads (``models/quantized.py``; formats in
     ``mlafx.kernels.quant_format``). ``kv_connector`` is a store spec (``"disk:PATH"``,
     ``"redis://HOST:PORT"``) or a ``KVConnector`` built for this engine's
-    ``cache_fingerprint`` and block size.
+    ``cache_fingerprint`` and block size. ``batch_invariant=True``: each request's tokens and
+    logprobs are bitwise the same whatever else is in the batch, however its prompt is chunked
+    and whether its prefix came from the cache (``ServingOptions``); needs ``compile=True``,
+    not yet with quantized weights or tensor parallelism.
 
     Offline: ``generate(prompts, params)``. Incremental (a server's loop):
     ``add_request`` -> ``step()`` until ``has_unfinished_requests()`` is False;
@@ -111,10 +130,13 @@ class LLM:
         allow_unlowered: bool = False,
         tensor_parallel_size: int = 1,
         tensor_parallel_local_ranks: int | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         cfg = ModelConfig.from_model(model, hf_overrides)
         torch_dtype(dtype)  # validates the name
         check_quantization(quantization)
+        if batch_invariant:
+            check_batch_invariant(compile, quantization, tensor_parallel_size)
         if quantization is not None and tensor_parallel_size != 1:
             raise ValueError(
                 "quantization is not supported with tensor_parallel_size > 1 yet (the shards "
@@ -139,6 +161,7 @@ class LLM:
             enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
+            batch_invariant=batch_invariant,
         )
         options.resolved_max_model_len(cfg)
         if load_format == "auto" and isinstance(model, str) and model in PRESETS:
@@ -149,6 +172,11 @@ class LLM:
         stored = None
         if load_format == "auto" and model not in PRESETS:
             stored = servable_stored_quantization(model)  # an unserved format fails here
+        if stored is not None and batch_invariant:
+            raise ValueError(
+                "batch_invariant is not supported with checkpoints stored quantized yet (the "
+                "quantized kernels' choices still follow the batch's shape)"
+            )
         if stored is not None and tensor_parallel_size != 1:
             raise ValueError(
                 "checkpoints stored quantized are not supported with tensor_parallel_size > 1 "
@@ -350,6 +378,7 @@ class LLM:
             enable_prefix_caching=options.enable_prefix_caching,
             kv_connector=kv_connector,
             partial_block_hits=self.workers is None,  # workers hold their own caches
+            batch_invariant=options.batch_invariant,
         )
         self.kv_caches = self.engine.kv_caches
         self._request_counter = itertools.count()

@@ -14,6 +14,7 @@ import time
 import torch
 
 from mlafx.config import ModelConfig
+from mlafx.kernels import set_batch_invariant
 from mlafx.models.attention_path import absorb_threshold
 from mlafx.models.step import StepFn
 from mlafx.parallel import TensorParallelError
@@ -48,11 +49,17 @@ class EngineCore:
         enable_prefix_caching: bool = True,
         kv_connector: KVConnector | None = None,
         partial_block_hits: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         """``partial_block_hits``: reuse the leading rows of a cached block by copying them
         (``Scheduler``); off when the step keeps its own caches (tensor-parallel workers),
-        where these tensors are not the ones the step reads."""
+        where these tensors are not the ones the step reads. ``batch_invariant``: every
+        sequence takes the absorbed attention path (one arithmetic for a token however it is
+        scheduled) and each step runs the kernels in batch-invariant mode."""
         self.config = config
+        self.batch_invariant = batch_invariant
+        # None: no cost rule, every span absorbed (models/step.py)
+        self.absorb_threshold = None if batch_invariant else absorb_threshold(config)
         self.step_fn = step_fn
         # only a step that reads them gets the key rows (one per cached token of the batch)
         self.key_rows = step_fn.reads_key_rows
@@ -144,8 +151,9 @@ class EngineCore:
 
     def _forward(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         inputs = step_inputs_for(
-            batch, self.block_size, absorb_threshold(self.config), key_rows=self.key_rows
+            batch, self.block_size, self.absorb_threshold, key_rows=self.key_rows
         )
+        set_batch_invariant(self.batch_invariant)  # process-wide: another engine may differ
         with torch.inference_mode():
             return self.step_fn(
                 inputs.input_ids,

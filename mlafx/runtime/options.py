@@ -16,7 +16,11 @@ class ServingOptions:
     ``num_kv_blocks`` blocks, or as many as fit in ``kv_cache_memory`` bytes (1 GiB by
     default). Each step computes at most ``max_num_batched_tokens`` new tokens for at most
     ``max_num_seqs`` running requests; ``enable_chunked_prefill`` splits a prompt over
-    steps, ``enable_prefix_caching`` reuses computed full blocks across requests."""
+    steps, ``enable_prefix_caching`` reuses computed full blocks across requests.
+    ``batch_invariant``: a request's tokens and logprobs are bitwise the same whatever else is
+    in the batch, however its prompt is chunked and wherever its prefix came from (every
+    sequence takes the absorbed attention path and the kernels run in batch-invariant mode,
+    ``mlafx.kernels.set_batch_invariant``); slower."""
 
     block_size: int = 16
     max_model_len: int | None = None
@@ -27,6 +31,7 @@ class ServingOptions:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     seed: int = 0
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= 256:

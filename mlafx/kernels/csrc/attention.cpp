@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "batch_invariant.h"
 #include "cpu_features.h"
 
 namespace {
@@ -245,6 +246,9 @@ struct WorkItem {
 // one thread and 116 us split in two (waking the second thread, the partial buffers and the
 // merge pass cost ~40-70 us); from ~1024 keys the split pays (4096: 663 -> 357 us).
 constexpr int64_t kMinSplitKeys = 512;
+// Batch-invariant mode (batch_invariant.h): every group's keys are cut at multiples of this
+// and the pieces merged, so a row's arithmetic depends only on its own keys.
+constexpr int64_t kInvariantSplitKeys = kMinSplitKeys;
 
 // Problem: provides
 //   int64_t num_groups(); int64_t group_keys(g); int64_t group_rows(g);
@@ -266,7 +270,10 @@ void run_attention(const Problem& problem, const CoreOps& core, const CoreDims& 
   }
   // Aim for about 4 items per thread so the tail of the schedule is short.
   int64_t chunk = std::numeric_limits<int64_t>::max();
-  if (allow_splits && threads > 1 && num_groups < 4 * threads) {
+  const bool invariant = mlafx::batch_invariant();
+  if (invariant) {
+    chunk = kInvariantSplitKeys;
+  } else if (allow_splits && threads > 1 && num_groups < 4 * threads) {
     const int64_t want = (total_keys + 4 * threads - 1) / (4 * threads);
     chunk = std::max(kMinSplitKeys, (want + kBlockKeys - 1) / kBlockKeys * kBlockKeys);
   }
@@ -276,7 +283,7 @@ void run_attention(const Problem& problem, const CoreOps& core, const CoreDims& 
   std::vector<int64_t> first_split;   // per split group: index of its first partial
   int64_t num_partials = 0;
   for (int64_t g = 0; g < num_groups; ++g) {
-    if (keys[g] <= chunk) {
+    if (keys[g] <= chunk && !invariant) {
       items.push_back({g, 0, keys[g], -1});
       continue;
     }

@@ -52,6 +52,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "batch_invariant.h"
 #include "cpu_features.h"
 #include "gemm.h"
 #include "gemm_aten.h"
@@ -528,8 +529,10 @@ at::Tensor linear_packed(const at::Tensor& x,       // [M, K]
   }
   const at::Tensor bias_values = has_bias ? bias->contiguous() : at::Tensor();
   const at::Tensor* b = has_bias ? &bias_values : nullptr;
-  return x.size(0) <= stream_max_rows(x) ? linear_streaming(x, packed, out_features, b)
-                                         : linear_chunked_mm(x, packed, out_features, b);
+  // Batch-invariant mode: every row streams, so its sums never depend on the row count.
+  return x.size(0) <= stream_max_rows(x) || batch_invariant()
+             ? linear_streaming(x, packed, out_features, b)
+             : linear_chunked_mm(x, packed, out_features, b);
 }
 
 }  // namespace

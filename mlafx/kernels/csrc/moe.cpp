@@ -47,10 +47,12 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
-#include "gemm.h"
+#include "batch_invariant.h"
 #include "cpu_features.h"
+#include "gemm.h"
 #include "gemm_aten.h"
 #include "moe_routing.h"
 
@@ -400,8 +402,11 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
   }
   const at::Tensor weights = topk_weights.contiguous();
   const bool tiles = streams_on_tiles(x.scalar_type(), D, I);
-  const Routing routing =
-      group_by_expert(id_data, T * k, E, max_streaming_pairs(x.scalar_type(), tiles));
+  const int64_t max_pairs = max_streaming_pairs(x.scalar_type(), tiles);
+  Routing routing = group_by_expert(id_data, T * k, E, max_pairs);
+  if (batch_invariant()) {  // every pair streams: larger groups in chunks of max_pairs
+    routing = stream_all_groups(std::move(routing), max_pairs);
+  }
   const Problem pb{k, D, I, weights.const_data_ptr<float>(), sum.data_ptr<float>()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_experts", [&] {
     if (!routing.streaming.empty()) {

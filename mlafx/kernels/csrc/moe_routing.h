@@ -2,6 +2,7 @@
 // moe_experts (moe.cpp) and moe_experts_quantized (quant_moe.cpp). Portable sources only.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -44,6 +45,31 @@ inline Routing group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t nu
     }
     (group.size() <= max_streaming_pairs ? routing.streaming : routing.gemm).push_back(group);
   }
+  return routing;
+}
+
+// The same pairs with every group streaming: a group of more than max_streaming_pairs is cut
+// into consecutive pieces of at most that many, in order (batch-invariant mode).
+inline Routing stream_all_groups(Routing routing, int64_t max_streaming_pairs) {
+  std::vector<ExpertGroup> groups;
+  size_t next_gemm = 0;
+  for (const ExpertGroup& group : routing.streaming) {  // both lists ascend by expert
+    while (next_gemm < routing.gemm.size() && routing.gemm[next_gemm].expert < group.expert) {
+      const ExpertGroup& big = routing.gemm[next_gemm++];
+      for (int64_t b = big.begin; b < big.end; b += max_streaming_pairs) {
+        groups.push_back({big.expert, b, std::min(big.end, b + max_streaming_pairs)});
+      }
+    }
+    groups.push_back(group);
+  }
+  for (; next_gemm < routing.gemm.size(); ++next_gemm) {
+    const ExpertGroup& big = routing.gemm[next_gemm];
+    for (int64_t b = big.begin; b < big.end; b += max_streaming_pairs) {
+      groups.push_back({big.expert, b, std::min(big.end, b + max_streaming_pairs)});
+    }
+  }
+  routing.streaming = std::move(groups);
+  routing.gemm.clear();
   return routing;
 }
 

@@ -1,0 +1,61 @@
+// batched_matmul: the absorbed attention's per-head products (q_nope W_UK, out_lat W_UV^T).
+//
+//   x: [B, M, K]  bf16/fp16/fp32      w: [B, K, N]  x's dtype      -> out [B, M, N] (x's dtype)
+//     out[b] = x[b] @ w[b]: ATen's bmm.
+//
+// In batch-invariant mode (batch_invariant.h) the rows go through ATen's bmm as fixed
+// [B, kTileRows, K] tiles, the last one zero-padded: the library picks its kernel by the
+// problem's shape (fp32 takes another summation order below 4 rows, measured on Zen 4), and
+// with every call the same shape a row's sums depend on its own values alone. Costs one call
+// per 16 rows; off, this is plain bmm.
+// Python reference: torch.bmm.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "batch_invariant.h"
+
+namespace mlafx {
+namespace {
+
+constexpr int64_t kTileRows = 16;
+
+at::Tensor batched_matmul(const at::Tensor& x,  // [B, M, K]
+                          const at::Tensor& w   // [B, K, N]
+) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(),
+              "batched_matmul: x and w must be on the CPU");
+  TORCH_CHECK_VALUE(x.dim() == 3 && w.dim() == 3 && x.size(0) == w.size(0) &&
+                        x.size(2) == w.size(1),
+                    "batched_matmul: x must be [B, M, K] and w [B, K, N], got shapes ", x.sizes(),
+                    " and ", w.sizes());
+  TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), "batched_matmul: w dtype ",
+                   w.scalar_type(), " must equal x's ", x.scalar_type());
+  if (!batch_invariant()) {
+    return at::bmm(x, w);
+  }
+  const int64_t B = x.size(0), M = x.size(1), K = x.size(2), N = w.size(2);
+  at::Tensor out = at::empty({B, M, N}, x.options());
+  at::Tensor tile = at::zeros({B, kTileRows, K}, x.options());
+  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, M - m0);
+    tile.narrow(1, 0, rows).copy_(x.narrow(1, m0, rows));
+    if (rows < kTileRows) {
+      tile.narrow(1, rows, kTileRows - rows).zero_();
+    }
+    out.narrow(1, m0, rows).copy_(at::bmm(tile, w).narrow(1, 0, rows));
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace mlafx
+
+TORCH_LIBRARY_FRAGMENT(mlafx, m) { m.def("batched_matmul(Tensor x, Tensor w) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(mlafx, CPU, m) { m.impl("batched_matmul", &mlafx::batched_matmul); }

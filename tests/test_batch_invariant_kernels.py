@@ -1,0 +1,176 @@
+"""Batch-invariant mode of the kernels (issue 27): with ``set_batch_invariant(True)`` a row's
+output is bitwise the same whatever else is in the call and however its sequence's queries are
+chunked. Attention: a sequence alone, inside a batch of others, as the last row of a prefill
+chunk and of a whole prefill, over contexts below and across the fixed split size; experts: a
+token alone and among hundreds (its experts past the streaming size); linears and the
+absorbed per-head products: a row alone and among more rows than any size threshold. Each ISA
+path in a child process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlafx.kernels import (
+    batch_invariant,
+    batched_matmul,
+    cpu_isa,
+    linear_packed,
+    mla_attention_paged,
+    moe_experts,
+    pack_linear_weight,
+    set_batch_invariant,
+)
+from tests.attention_cases import paged_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADS, RANK, ROPE, BLOCK = 16, 512, 64, 16
+WIDTH = RANK + ROPE
+
+
+@pytest.fixture
+def invariant():
+    set_batch_invariant(True)
+    try:
+        yield
+    finally:
+        set_batch_invariant(False)
+
+
+class Sequences:
+    """Cache rows and one query per position for a few sequences, so that any call can be
+    built from (sequence, kv_len, first new position) entries over the same values."""
+
+    def __init__(self, lengths: list[int], dtype: torch.dtype, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.dtype = dtype
+        self.rows = [torch.randn(n, WIDTH, generator=gen).to(dtype) for n in lengths]
+        self.queries = [torch.randn(n, HEADS, WIDTH, generator=gen).to(dtype) for n in lengths]
+
+    def attend(self, entries: list[tuple[int, int, int]], seed: int) -> list[torch.Tensor]:
+        """Outputs [kv_len - first, H, RANK] per entry (seq, kv_len, first) of one call."""
+        gen = torch.Generator().manual_seed(seed)
+        cache, table = paged_cache(
+            [self.rows[s][:n] for s, n, _ in entries], BLOCK, self.dtype, gen
+        )
+        q = torch.cat([self.queries[s][a:n] for s, n, a in entries])
+        starts = [0]
+        for _, n, a in entries:
+            starts.append(starts[-1] + n - a)
+        positions = torch.cat([torch.arange(a, n) for _, n, a in entries])
+        out, _ = mla_attention_paged(
+            q, cache, table, torch.tensor([n for _, n, _ in entries], dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32), positions, WIDTH**-0.5, RANK,
+        )  # fmt: skip
+        return [out[starts[i] : starts[i + 1]] for i in range(len(entries))]
+
+
+def test_mode_switch_round_trips():
+    assert batch_invariant() is False
+    set_batch_invariant(True)
+    try:
+        assert batch_invariant() is True
+    finally:
+        set_batch_invariant(False)
+    assert batch_invariant() is False
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_row_is_the_same_in_any_call(invariant, dtype):
+    # sequence 0 crosses the split size twice, sequence 1 stays under it; 2.. are neighbours
+    seqs = Sequences([1300, 300, 2000, 7, 513, 900, 64, 1500], dtype, seed=0)
+    others = [(s, n, n - 1) for s, n in [(2, 2000), (3, 7), (4, 513), (5, 900), (6, 64)]]
+    for s, n in [(0, 1300), (1, 300), (0, 700)]:
+        alone = seqs.attend([(s, n, n - 1)], seed=1)[0]
+        in_batch = seqs.attend([others[0], (s, n, n - 1), *others[1:]], seed=2)[1]
+        chunk = seqs.attend([(7, 1500, 1400), (s, n, n - 37)], seed=3)[1][-1:]
+        whole = seqs.attend([(s, n, 0), others[2]], seed=4)[0]
+        assert torch.equal(in_batch, alone)
+        assert torch.equal(chunk, alone)
+        assert torch.equal(whole[-1:], alone)
+        # every position of the whole prefill equals its own decode over the same prefix
+        for p in [p for p in [0, 299, 511, 512, 1024] if p < n]:
+            assert torch.equal(whole[p : p + 1], seqs.attend([(s, p + 1, p)], seed=5)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_experts_row_is_the_same_in_any_call(invariant, dtype):
+    gen = torch.Generator().manual_seed(0)
+    T, D, inter, E, k = 300, 256, 192, 4, 2  # ~150 pairs per expert: past any streaming size
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    ids = torch.randint(0, E, (T, k), generator=gen)
+    ids[7, 1] = ids[7, 0]  # a token picking one expert twice
+    weights = torch.rand(T, k, generator=gen)
+    w13 = (torch.randn(E, 2 * inter, D, generator=gen) / D**0.5).to(dtype)
+    w2 = (torch.randn(E, D, inter, generator=gen) / inter**0.5).to(dtype)
+    batch = moe_experts(x, ids, weights, w13, w2)
+    for t in [0, 7, 150, 299]:
+        alone = moe_experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], w13, w2)
+        assert torch.equal(batch[t : t + 1], alone), t
+    few = moe_experts(x[:9], ids[:9], weights[:9], w13, w2)
+    assert torch.equal(batch[:9], few)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_row_is_the_same_in_any_call(invariant, dtype, with_bias):
+    gen = torch.Generator().manual_seed(0)
+    M, K, N = 600, 320, 144  # 600 rows: past every path's streaming limit
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    packed = pack_linear_weight((torch.randn(N, K, generator=gen) / K**0.5).to(dtype))
+    bias = torch.randn(N, generator=gen).to(dtype) if with_bias else None
+    batch = linear_packed(x, packed, N, bias)
+    for m in [0, 1, 299, 599]:
+        assert torch.equal(batch[m : m + 1], linear_packed(x[m : m + 1], packed, N, bias)), m
+    assert torch.equal(batch[:40], linear_packed(x[:40], packed, N, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batched_matmul_row_is_the_same_in_any_call(invariant, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 300, 128, generator=gen).to(dtype)  # the absorbed q: [H, N, P]
+    w = (torch.randn(16, 128, 512, generator=gen) / 128**0.5).to(dtype)  # W_UK [H, P, Lkv]
+    batch = batched_matmul(x, w)
+    torch.testing.assert_close(batch.double(), x.double() @ w.double(), atol=2e-2, rtol=1e-2)
+    for m in [1, 2, 3, 17, 40]:  # fp32 bmm itself takes another kernel below 4 rows
+        assert torch.equal(batch[:, :m], batched_matmul(x[:, :m], w)), m
+    assert torch.equal(batch[:, 299:], batched_matmul(x[:, 299:], w))
+
+
+@pytest.mark.parametrize("mode", [False, True])
+def test_batched_matmul_opcheck(mode):
+    set_batch_invariant(mode)
+    try:
+        x, w = torch.randn(3, 21, 8), torch.randn(3, 8, 5)
+        assert torch.equal(batched_matmul(x, w), torch.bmm(x, w)) or mode
+        torch.library.opcheck(torch.ops.mlafx.batched_matmul.default, (x, w))
+    finally:
+        set_batch_invariant(False)
+    with pytest.raises(ValueError, match="must be"):
+        batched_matmul(x, torch.randn(3, 7, 5))
+
+
+PATHS = {
+    "portable": {"MLAFX_DISABLE_AVX512": "1"},
+    "avx512": {"MLAFX_DISABLE_AMX": "1"},  # the default path where there are no tiles
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_other_paths_are_invariant(path):
+    if os.environ.get("MLAFX_INVARIANT_CHILD"):
+        pytest.skip("inside the child run")
+    if path == "avx512" and cpu_isa() != "avx512_amx":
+        pytest.skip("no tile unit here: the default path is the AVX-512 one")
+    env = {**os.environ, "MLAFX_DISABLE_AVX512": "0", "MLAFX_DISABLE_AMX": "0", **PATHS[path]}
+    env["MLAFX_INVARIANT_CHILD"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
