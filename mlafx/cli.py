@@ -116,6 +116,13 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
         help="reuse computed full KV blocks across requests (default on, any block size)",
     )
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a request's tokens and logprobs are bitwise the same whatever else is in the "
+        "batch, however its prompt is chunked and wherever its prefix came from (slower; "
+        "compiled step, not with --quantization or --tensor-parallel-size)",
+    )
+    parser.add_argument(
         "--kv-connector",
         default=None,
         metavar="SPEC",
@@ -145,6 +152,7 @@ def serving_options(args: argparse.Namespace) -> dict[str, Any]:
         "enable_chunked_prefill": args.enable_chunked_prefill,
         "enable_prefix_caching": args.enable_prefix_caching,
         "kv_connector": args.kv_connector,
+        "batch_invariant": args.batch_invariant,
     }
 
 
@@ -202,6 +210,8 @@ def llm_from_artifact(args: argparse.Namespace, **serving: Any) -> LLM:
     the model), and args' dtype and block size are set to the artifact's."""
     fixed = ("model", "load_format", "hf_overrides", "quantization")
     given = [f for f in fixed if getattr(args, f, None) is not None]
+    if serving.pop("batch_invariant", False):
+        raise ValueError("--batch-invariant cannot be combined with --artifact yet")
     if given:
         flags = ", ".join("--" + f.replace("_", "-") for f in given)
         raise ValueError(f"{flags} cannot be combined with --artifact (it fixes the model)")

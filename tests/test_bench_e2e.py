@@ -30,7 +30,12 @@ def test_quick_benchmark_writes_every_figure(tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [r for r in rows if "error" in r] == []
-    assert {r["backend"] for r in rows} == {"mlafx", "mlafx_reference", "hf_eager"}
+    assert {r["backend"] for r in rows} == {
+        "mlafx",
+        "mlafx_invariant",
+        "mlafx_reference",
+        "hf_eager",
+    }
     assert all(r["median_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     assert all(r["x_floor"] > 0 for r in rows if r["phase"] == "decode")
     assert all(0 < r["matmul_fraction"] for r in rows if r["phase"] == "prefill")
@@ -43,6 +48,7 @@ def test_quick_benchmark_writes_every_figure(tmp_path):
         assert mixed["requests"] == 4 and mixed["tpot_median_ms"] > 0
     assert [t["target"] for t in result["targets"]][0] == "decode vs transformers eager"
     assert "targets (batch 8, prompts of 128 tokens)" in done.stdout
+    assert "batch-invariant mode, time vs the default: prefill 8x128" in done.stdout
     for png in ("e2e_decode_vs_context.png", "e2e_batch_and_prefill.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
 

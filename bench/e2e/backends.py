@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from mlafx.config import ModelConfig
+from mlafx.kernels import batch_invariant_mode
 from mlafx.models.attention_path import absorb_threshold
 from mlafx.models.step import SequenceSpan, StepFn, build_step_inputs
 
@@ -45,6 +46,8 @@ class MlafxStep:
     caches: list[torch.Tensor]  # per layer: [num_blocks, block_size, Lkv + R]
     config: ModelConfig
     block_size: int
+    # the engine's batch-invariant mode: every span absorbed, the kernels' mode on per call
+    batch_invariant: bool = False
 
     def fill_caches(self, seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -59,11 +62,16 @@ class MlafxStep:
         inputs = build_step_inputs(
             spans,
             self.block_size,
-            absorb_threshold(self.config),
+            None if self.batch_invariant else absorb_threshold(self.config),
             key_rows=self.step_fn.reads_key_rows,
         )
         args = (inputs.input_ids, inputs.positions, self.caches, inputs.meta)
-        return lambda: self.step_fn(*args, inputs.logits_indices)
+
+        def run() -> object:
+            with batch_invariant_mode(self.batch_invariant):
+                return self.step_fn(*args, inputs.logits_indices)
+
+        return run
 
     def _spans(self, rows: list[list[int]], start: int) -> list[SequenceSpan]:
         per_seq = -(-(start + len(rows[0])) // self.block_size)

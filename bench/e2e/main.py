@@ -204,6 +204,9 @@ def run_mlafx(run: Run) -> tuple[MLAForCausalLM, torch.nn.Module]:
         step = MlafxStep(backend, engine.step_fn, engine.kv_caches, llm.config, BLOCK_SIZE)
         step.fill_caches()
         run.rows += measure_grid(backend, step, plan)
+        if backend == "mlafx":  # the same compiled step in batch-invariant mode (its cost)
+            invariant = dataclasses.replace(step, name="mlafx_invariant", batch_invariant=True)
+            run.rows += measure_grid("mlafx_invariant", invariant, plan)
         progress(f"{report.LABELS[backend]}: mixed workload and prefix-cache TTFT")
         run.serving[backend] = serving_figures(engine, plan)
         run.peak_rss_bytes[backend] = peak_rss_bytes()
@@ -288,6 +291,7 @@ def print_summary(
     print("KV cache per token: " + ", ".join(f"{k} {v:.0f} B" for k, v in kv.items()))
     report.print_phase(run.rows, "prefill")
     report.print_phase(run.rows, "decode")
+    report.print_invariant_cost(run.rows)
     report.print_serving(run.serving)
     startup = run.startup_s
     print("\nstart-up: " + ", ".join(f"{report.LABELS[k]} {v:.1f} s" for k, v in startup.items()))

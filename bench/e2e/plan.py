@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from bench.e2e.serving import MixedWorkload
 
 Point = tuple[int, int]  # (batch, prompt length or context)
-BACKENDS = ("mlafx", "mlafx_reference", "hf_eager", "hf_compile")
+BACKENDS = ("mlafx", "mlafx_invariant", "mlafx_reference", "hf_eager", "hf_compile")
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Plan:
     prefix_repeats: int
 
     def repeats_for(self, backend: str) -> int:
-        return self.repeats if backend == "mlafx" else self.baseline_repeats
+        return self.repeats if backend in ("mlafx", "mlafx_invariant") else self.baseline_repeats
 
 
 def _grid(batches: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[Point, ...]:
@@ -52,6 +52,10 @@ DEFAULT = Plan(
         "mlafx": Grid(
             prefill=(*_grid((1,), (128, 256, 512, 1024, 2048, 4096)), (8, 1024)),
             decode=_grid((1, 8, 32), (512, 1024, 2048, 4096, 8192)),
+        ),
+        # the same compiled step in batch-invariant mode: its cost at the target and around
+        "mlafx_invariant": Grid(
+            prefill=((1, 1024), (8, 1024)), decode=((1, 1024), (8, 1024), (32, 1024))
         ),
         # the reference model attends over the step's flat key rows (masked), quadratic in
         # the step's total tokens: 8 x 1024 alone costs it ~45 s a call here
@@ -77,6 +81,7 @@ QUICK = Plan(
     target=(8, 128),
     grids={
         "mlafx": Grid(prefill=((1, 32), (1, 128), (8, 128)), decode=_grid((1, 8), (64, 128))),
+        "mlafx_invariant": Grid(prefill=((8, 128),), decode=((8, 128),)),
         "mlafx_reference": _QUICK_BASELINE,
         "hf_eager": _QUICK_BASELINE,
         "hf_compile": Grid(prefill=((8, 128),), decode=((8, 128),)),

@@ -8,7 +8,13 @@ from pathlib import Path
 from bench.e2e.report import LABELS, Row
 
 # one colour per engine in every panel
-COLORS = {"mlafx": "C0", "mlafx_reference": "C1", "hf_eager": "C2", "hf_compile": "C3"}
+COLORS = {
+    "mlafx": "C0",
+    "mlafx_reference": "C1",
+    "hf_eager": "C2",
+    "hf_compile": "C3",
+    "mlafx_invariant": "C4",
+}
 
 
 def _pyplot():  # type: ignore[no-untyped-def]

@@ -13,6 +13,7 @@ Row = dict[str, Any]
 
 LABELS = {
     "mlafx": "mlafx compiled",
+    "mlafx_invariant": "mlafx batch-invariant",
     "mlafx_build": "mlafx load + compile",
     "mlafx_reference": "mlafx reference",
     "hf_eager": "transformers eager",
@@ -57,6 +58,20 @@ def print_phase(rows: list[Row], phase: str) -> None:
         eager = find(rows, "hf_eager", phase, row["batch"], row["length"])
         vs = f"{eager['median_ms'] / row['median_ms']:>8.1f}x" if eager else f"{'':>9}"
         print(f"{where} {row['median_ms']:>10.1f} {row['tokens_per_s']:>10.1f} {roof} {vs}")
+
+
+def print_invariant_cost(rows: list[Row]) -> None:
+    """Batch-invariant mode against the default, at each point both measured."""
+    costs = []
+    for row in rows:
+        if row["backend"] != "mlafx_invariant" or "error" in row:
+            continue
+        default = find(rows, "mlafx", row["phase"], row["batch"], row["length"])
+        if default is not None and "error" not in default:
+            ratio = row["median_ms"] / default["median_ms"]
+            costs.append(f"{row['phase']} {row['batch']}x{row['length']} {ratio:.2f}x")
+    if costs:
+        print("\nbatch-invariant mode, time vs the default: " + ", ".join(costs))
 
 
 def targets(

@@ -27,6 +27,7 @@ from mlafx.kernels.attention_ops import (
 from mlafx.kernels.extension import (
     ExtensionLoadError,
     batch_invariant,
+    batch_invariant_mode,
     cpu_isa,
     library_path,
     load_extension,
@@ -53,6 +54,7 @@ from mlafx.kernels.quant_ops import (
 __all__ = [
     "ExtensionLoadError",
     "batch_invariant",
+    "batch_invariant_mode",
     "batched_matmul",
     "cpu_isa",
     "gather_latent",

@@ -11,10 +11,12 @@ and every comparison with the reference meaningless.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -120,6 +122,18 @@ def set_batch_invariant(enabled: bool) -> None:
     with arithmetic that does not depend on the call's other rows (attention keys split at
     fixed positions and always merged, every expert group streamed, every linear row
     streamed), so a row's result is bitwise the same in any batch. Slower than the default,
-    whose kernel choices follow the batch's shape. The engine sets it before each step."""
+    whose kernel choices follow the batch's shape. The engine runs each step under
+    ``batch_invariant_mode``."""
     load_extension()
     torch.ops.mlafx.set_batch_invariant(bool(enabled))
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(enabled: bool) -> Iterator[None]:
+    """``set_batch_invariant(enabled)`` for the block, the previous mode restored after."""
+    previous = batch_invariant()
+    set_batch_invariant(enabled)
+    try:
+        yield
+    finally:
+        set_batch_invariant(previous)

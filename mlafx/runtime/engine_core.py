@@ -14,7 +14,7 @@ import time
 import torch
 
 from mlafx.config import ModelConfig
-from mlafx.kernels import set_batch_invariant
+from mlafx.kernels import batch_invariant_mode
 from mlafx.models.attention_path import absorb_threshold
 from mlafx.models.step import StepFn
 from mlafx.parallel import TensorParallelError
@@ -153,8 +153,8 @@ class EngineCore:
         inputs = step_inputs_for(
             batch, self.block_size, self.absorb_threshold, key_rows=self.key_rows
         )
-        set_batch_invariant(self.batch_invariant)  # process-wide: another engine may differ
-        with torch.inference_mode():
+        # the kernels' mode is process-wide: set for this step only (another engine may differ)
+        with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):
             return self.step_fn(
                 inputs.input_ids,
                 inputs.positions,

@@ -8,7 +8,7 @@
 //   each (token, choice) pair takes the same kernel whatever the pair count (moe.cpp);
 // - linear_packed streams the packed weight for any number of rows (gemm.cpp).
 // Off by default (the batch-dependent choices are the fast ones). Process-wide: the engine
-// sets it before each step it runs (mlafx.kernels.set_batch_invariant).
+// turns it on for each step it runs (mlafx.kernels.batch_invariant_mode).
 #pragma once
 
 namespace mlafx {
