@@ -120,7 +120,7 @@ def add_serving_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a request's tokens and logprobs are bitwise the same whatever else is in the "
         "batch, however its prompt is chunked and wherever its prefix came from (slower; "
-        "compiled step, not with --quantization or --tensor-parallel-size)",
+        "compiled step, not with --quantization or --artifact)",
     )
     parser.add_argument(
         "--kv-connector",

@@ -1,9 +1,9 @@
 """``LLM(batch_invariant=True)`` (issue 27): a request's tokens and logprobs are bitwise the
 same served alone, inside batches of 2-32 random others at any position, with its prompt
 chunked or whole, with its prefix from the cache, and from a KV store, in bf16 and fp32 on the
-compiled step. Prompts up to 700 tokens cross the attention kernel's fixed split size (512
-keys) and the linears' streaming limit; batches put hundreds of (token, choice) pairs on each
-expert."""
+compiled step, and under tensor parallelism. Prompts up to 700 tokens cross the attention
+kernel's fixed split size (512 keys) and the linears' streaming limit; batches put hundreds of
+(token, choice) pairs on each expert."""
 
 from __future__ import annotations
 
@@ -77,12 +77,27 @@ def test_from_a_kv_store(alone, tmp_path):
     assert results(loaded) == expected
 
 
+def test_tensor_parallel_ranks_are_invariant_too():
+    """TP=2 (fp32): each rank runs its steps in the driver's mode; a target alone, chunked at
+    one set of boundaries, equals it inside a batch, chunked at others."""
+    llm = tiny_llm(
+        tensor_parallel_size=2, compile=True, block_size=16, num_kv_blocks=1024,
+        max_num_batched_tokens=48, batch_invariant=True,
+    )  # fmt: skip
+    try:
+        alone = [results(llm.generate([p], PARAMS))[0] for p in TARGETS[:2]]
+        others = random_prompts(8, 1, 200, seed=5)
+        batch = results(llm.generate(others[:3] + TARGETS[:2] + others[3:], PARAMS))
+        assert batch[3:5] == alone
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [
         (dict(compile=False), "needs compile=True"),
         (dict(compile=True, quantization="int8"), "quantization"),
-        (dict(compile=True, tensor_parallel_size=2), "tensor_parallel_size"),
     ],
 )
 def test_unsupported_combinations_are_refused(options, match):

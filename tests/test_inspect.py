@@ -23,18 +23,17 @@ def test_inspect_json_lists_one_site_per_layer_and_the_ops_it_lowered_to(capsys)
     for site in report["sites"]:
         assert site["lowered_to"] == [
             "mlafx::write_latent_cache",
+            "mlafx::batched_matmul",
             "mlafx::mla_attention_paged",
             "mlafx::varlen_attention",
             "mlafx::merge_attn_states",
         ]
+        # the absorbed passes: q_nope W_UK, attention over the cache, out_lat W_UV^T
+        absorbed = ["mlafx::batched_matmul", "mlafx::mla_attention_paged", "mlafx::batched_matmul"]
         assert site["paths"] == {
             "cache_write": ["mlafx::write_latent_cache"],
-            "absorbed": ["mlafx::mla_attention_paged"],
-            "split": [
-                "mlafx::varlen_attention",
-                "mlafx::mla_attention_paged",
-                "mlafx::merge_attn_states",
-            ],
+            "absorbed": absorbed,
+            "split": ["mlafx::varlen_attention", *absorbed, "mlafx::merge_attn_states"],
         }
     assert report["verify"]["ok"] and report["refused"] == []
     coverage = report["verify"]["sample_coverage"]
@@ -60,7 +59,10 @@ def test_inspect_text_shows_one_stage_with_its_graph(capsys):
     assert "== stage lower_attention" in out and "== stage captured" not in out
     assert "torch.ops.mlafx.mla_attention_paged.default(" in out
     assert "torch.ops.mlafx.varlen_attention.default(" in out
-    assert "absorbed rows: mlafx::mla_attention_paged; split rows: mlafx::varlen_attention" in out
+    assert (
+        "absorbed rows: mlafx::batched_matmul + mlafx::mla_attention_paged + "
+        "mlafx::batched_matmul; split rows: mlafx::varlen_attention" in out
+    )
 
 
 @pytest.mark.skipif(
@@ -96,4 +98,4 @@ def test_inspect_html_renders_every_stage_in_headless_chromium(tmp_path, capsys)
     for stage in ("captured", "find_mla_attention", "lower_attention", "verify"):
         assert f'id="stage-{stage}"' in dom
     assert dom.count("<svg") >= 4 and "mlafx::mla_attention_paged" in dom
-    assert "split rows: mlafx::varlen_attention + mlafx::mla_attention_paged" in dom
+    assert "split rows: mlafx::varlen_attention + mlafx::batched_matmul" in dom

@@ -5,7 +5,8 @@
   Baselines: *absorbed eager* (gather the rows through host-built slots, bmm, fp32 softmax,
   bmm) and *decompressed SDPA* (``F.scaled_dot_product_attention`` over K/V already
   decompressed per head: the attention alone, decompression not charged to it; skipped when
-  the expanded K/V would exceed ~1.5 GB).
+  the expanded K/V would exceed ~1.5 GB); and the op itself in batch-invariant mode (keys
+  split at fixed positions, always merged: its cost).
 - ``merge_attn_states`` T=4096, H=16, D=128: bytes = both inputs + output (+ LSEs); judged
   against memory bandwidth. Baseline: the same formula in eager PyTorch.
 - ``varlen_attention`` causal prefill of one 1024-token sequence (P+R=192, V=128): flops over
@@ -83,11 +84,15 @@ def decode_rows(roofline, quick, threads) -> list[Row]:
             sdpa = (qd, k, v)
         for t in threads:
             torch.set_num_threads(t)
-            ours = median_seconds(
-                partial(K.mla_attention_paged, q, cache, table, kv_lens, qsl, positions, SCALE, LKV)
+            attend = partial(
+                K.mla_attention_paged, q, cache, table, kv_lens, qsl, positions, SCALE, LKV
             )
+            ours = median_seconds(attend)
+            with K.batch_invariant_mode(True):
+                invariant = median_seconds(attend)
             baselines = {
-                "absorbed-eager": median_seconds(partial(_absorbed_eager, q, cache, slots))
+                "absorbed-eager": median_seconds(partial(_absorbed_eager, q, cache, slots)),
+                "batch-invariant": invariant,
             }
             if sdpa is not None:
                 baselines["sdpa-decomp"] = median_seconds(

@@ -17,7 +17,8 @@ Weights are cold, as in a real decode step (~0.7 GB of weights per step, more th
 CPU's L3): every call uses the next of several copies whose total exceeds 512 MB. With
 --quick there is one copy, so weights may be cache-hot: a smoke test, not a measurement.
 Baselines: the model's eager MoE (``routed_experts_reference``), ``F.linear``, and oneDNN's
-prepacked linear (``torch.ops.mkldnn._linear_pointwise`` on ``_reorder_linear_weight``).
+prepacked linear (``torch.ops.mkldnn._linear_pointwise`` on ``_reorder_linear_weight``); for
+moe_experts and linear_packed also the same op in batch-invariant mode (its cost).
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ def _moe_rows(roofline, quick, threads, num_tokens, gen) -> list[Row]:
     rows = []
     for t in threads:
         torch.set_num_threads(t)
-        ours = median_seconds(_rotating(lambda a, b: K.moe_experts(x, ids, weights, a, b), sets))
+        experts = _rotating(lambda a, b: K.moe_experts(x, ids, weights, a, b), sets)
+        ours = median_seconds(experts)
+        with K.batch_invariant_mode(True):
+            invariant = median_seconds(experts, repeats=3 if num_tokens > 64 else 7)
         eager = median_seconds(
             _rotating(lambda a, b: routed_experts_reference(x, ids, weights, a, b), sets),
             repeats=3 if num_tokens > 64 else 7,
@@ -88,7 +92,7 @@ def _moe_rows(roofline, quick, threads, num_tokens, gen) -> list[Row]:
                 seconds=ours,
                 num_bytes=touched * expert_bytes,
                 flops=6 * D * INTER * num_tokens * TOP_K,
-                baselines_s={"eager": eager},
+                baselines_s={"eager": eager, "batch-invariant": invariant},
             )
         )
     return rows
@@ -158,9 +162,10 @@ def _long_linear_rows(roofline, quick, threads, name, in_f, out_f, batches, gen)
         repeats = 3 if 2 * m * in_f * out_f > 2e10 else 7
         for t in threads:
             torch.set_num_threads(t)
-            ours = median_seconds(
-                _rotating(lambda p, x=x: K.linear_packed(x, p, out_f), packed), repeats=repeats
-            )
+            linear = _rotating(lambda p, x=x: K.linear_packed(x, p, out_f), packed)
+            ours = median_seconds(linear, repeats=repeats)
+            with K.batch_invariant_mode(True):
+                invariant = median_seconds(linear, repeats=repeats)
             eager = median_seconds(
                 _rotating(lambda w, x=x: F.linear(x, w), [(w,) for w in weights]), repeats=repeats
             )
@@ -174,7 +179,7 @@ def _long_linear_rows(roofline, quick, threads, name, in_f, out_f, batches, gen)
                     seconds=ours,
                     num_bytes=nbytes,
                     flops=2 * m * in_f * out_f,
-                    baselines_s={"F.linear": eager},
+                    baselines_s={"F.linear": eager, "batch-invariant": invariant},
                 )
             )
     return rows

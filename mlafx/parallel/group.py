@@ -29,6 +29,7 @@ import torch
 
 from mlafx.config import ConfigError, ModelConfig
 from mlafx.config.memory import available_memory_bytes, kv_bytes_per_token, weight_bytes
+from mlafx.kernels import batch_invariant
 from mlafx.models.step import StepMetadata
 from mlafx.parallel.sharding import check_shardable
 from mlafx.parallel.wire import dumps, loads, step_to_wire, tensor_from_wire
@@ -209,7 +210,9 @@ class WorkerGroup:
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         wire = step_to_wire(input_ids, positions, meta, logits_indices)
-        replies = self._command(list(range(self.world_size)), "step", wire, "run a step")
+        # the ranks run the step in the kernel mode the driver's engine runs it in
+        payload = (wire, batch_invariant())
+        replies = self._command(list(range(self.world_size)), "step", payload, "run a step")
         return tensor_from_wire(replies[0])
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from mlafx.config import ModelConfig
+from mlafx.kernels import batch_invariant_mode
 from mlafx.models.loader import build_model, torch_dtype
 from mlafx.parallel import collectives
 from mlafx.parallel.sharding import shard_model
@@ -116,9 +117,10 @@ class _Rank:
             timeout=COLLECTIVE_TIMEOUT,
         )
 
-    def step(self, wire: Any) -> Any:
+    def step(self, payload: Any) -> Any:
+        wire, invariant = payload  # the step, and the driver's batch-invariant mode
         input_ids, positions, meta, logits_indices = step_from_wire(wire)
-        with torch.no_grad():
+        with torch.no_grad(), batch_invariant_mode(invariant):
             logits = self.step_fn(input_ids, positions, self.caches, meta, logits_indices)
         return tensor_to_wire(logits) if self.spec.rank == 0 else None
 

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 Prompt = str | Sequence[int]
 
 
-def check_batch_invariant(compile: bool, quantization: object, tensor_parallel_size: int) -> None:
+def check_batch_invariant(compile: bool, quantization: object) -> None:
     """What batch-invariant serving needs (the compiled step's kernels carry the mode)."""
     if not compile:
         raise ValueError(
@@ -64,8 +64,6 @@ def check_batch_invariant(compile: bool, quantization: object, tensor_parallel_s
             "batch_invariant is not supported with quantization yet (the quantized kernels' "
             "choices still follow the batch's shape)"
         )
-    if tensor_parallel_size != 1:
-        raise ValueError("batch_invariant is not supported with tensor_parallel_size > 1 yet")
 
 
 class LLM:
@@ -85,8 +83,8 @@ class LLM:
     ``"redis://HOST:PORT"``) or a ``KVConnector`` built for this engine's
     ``cache_fingerprint`` and block size. ``batch_invariant=True``: each request's tokens and
     logprobs are bitwise the same whatever else is in the batch, however its prompt is chunked
-    and whether its prefix came from the cache (``ServingOptions``); needs ``compile=True``,
-    not yet with quantized weights or tensor parallelism.
+    and whether its prefix came from the cache (``ServingOptions``; tensor-parallel ranks run
+    their steps in the mode too); needs ``compile=True``, not yet with quantized weights.
 
     Offline: ``generate(prompts, params)``. Incremental (a server's loop):
     ``add_request`` -> ``step()`` until ``has_unfinished_requests()`` is False;
@@ -136,7 +134,7 @@ class LLM:
         torch_dtype(dtype)  # validates the name
         check_quantization(quantization)
         if batch_invariant:
-            check_batch_invariant(compile, quantization, tensor_parallel_size)
+            check_batch_invariant(compile, quantization)
         if quantization is not None and tensor_parallel_size != 1:
             raise ValueError(
                 "quantization is not supported with tensor_parallel_size > 1 yet (the shards "
