@@ -65,3 +65,13 @@ def test_prefix_caching_can_be_turned_off(capsys):
 def test_a_bad_kv_connector_is_a_start_up_error(capsys):
     code, _, err = run(capsys, "--kv-connector", "s3://bucket")
     assert code == 2 and "mlafx run: error:" in err and "s3://bucket" in err
+
+
+def test_batch_invariant_flag(capsys):
+    code, _, err = run(capsys, "--batch-invariant")  # with the reference model: refused
+    assert code == 2 and "batch_invariant needs compile=True" in err
+    code, out, _ = run(capsys, "--compile", "--batch-invariant", "--no-enable-prefix-caching",
+                       "--max-num-batched-tokens", "8", "--json")  # fmt: skip
+    assert code == 0
+    first, second = json.loads(out)["outputs"]  # chunked at other boundaries, the same tokens
+    assert first["token_ids"] == second["token_ids"]
