@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlafx.kernels import (
     batch_invariant,
+    batch_invariant_mode,
     batched_matmul,
     cpu_isa,
     linear_packed,
@@ -140,6 +143,24 @@ def test_batched_matmul_row_is_the_same_in_any_call(invariant, dtype):
     for m in [1, 2, 3, 17, 40]:  # fp32 bmm itself takes another kernel below 4 rows
         assert torch.equal(batch[:, :m], batched_matmul(x[:, :m], w)), m
     assert torch.equal(batch[:, 299:], batched_matmul(x[:, 299:], w))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 4), m=st.integers(0, 40), k=st.integers(1, 33), n=st.integers(1, 20),
+    dtype=st.sampled_from([torch.bfloat16, torch.float32]), mode=st.booleans(),
+    seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_batched_matmul_matches_fp64_bmm(b, m, k, n, dtype, mode, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, m, k, generator=gen).to(dtype)
+    w = torch.randn(b, k, n, generator=gen).to(dtype)
+    with batch_invariant_mode(mode):
+        out = batched_matmul(x, w)
+    assert out.dtype == dtype and out.shape == (b, m, n)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    ref = x.double() @ w.double()
+    torch.testing.assert_close(out.double(), ref, atol=tol * k**0.5, rtol=tol)
 
 
 @pytest.mark.parametrize("mode", [False, True])

@@ -92,6 +92,9 @@ def test_lowering_op_counts_and_numerics(llm, captured):
     # per layer: one cache write; mla_attention_paged for the absorbed rows and for the split
     # rows' context half; varlen_attention for their new rows; merge_attn_states
     assert [after[op] for op in ATTENTION_OPS] == [0, 0, layers, 2 * layers, layers, layers]
+    # the two absorbed passes each project q through W_UK and the output through W_UV^T
+    assert after["mlafx.batched_matmul.default"] == 4 * layers
+    assert after["aten.bmm.default"] == 0
     # no gather of cache rows is left: per layer 10 selections of sub-batch rows (q_nope and
     # q_pe of each of the three sub-batches, kv_c and k_pe of the split rows, the suffix's
     # output and LSE at the rows with context), 3 of sub-batch positions shared by all layers,

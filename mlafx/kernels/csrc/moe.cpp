@@ -23,7 +23,7 @@
 // Accuracy (issue 27): gate and up are fp32 sums, and h = silu(g) * u is not rounded to x's
 // dtype before the down projection: in bf16/fp16 it goes in as two parts, hi + lo (see
 // store_h), so the result is as accurate as one rounding of the fp64 value (within 1.5x;
-// tests/test_kernel_moe_accuracy.py). That costs the down projection twice the arithmetic.
+// tests/test_kernel_bf16_accuracy.py). That costs the down projection twice the arithmetic.
 // Measured (bench/kernel_cases/moe_gemm.py, bf16, 2 threads, D=2048, I=1408, 4 experts, top-2,
 // cold weights; before the hi/lo split): 8 tokens at 81-90% of the read bandwidth over the
 // touched experts (1.7x the eager grouped reference); 4096 tokens at 71-85% of the bf16 matmul
@@ -47,7 +47,6 @@
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "batch_invariant.h"
@@ -132,6 +131,18 @@ void store_h(float v, scalar_t* dst, int64_t part_stride) {
   if constexpr (kParts<scalar_t> == 2) {
     dst[part_stride] = static_cast<scalar_t>(v - static_cast<float>(hi));
   }
+}
+
+// The rows of x of a group's pairs, in pair order: [group size, D] contiguous.
+at::Tensor group_rows(const Problem& pb, const Routing& routing, const ExpertGroup& group,
+                      const at::Tensor& x) {
+  std::vector<int64_t> tokens;
+  for (int64_t j = group.begin; j < group.end; ++j) {
+    tokens.push_back(routing.sorted_pairs[j] / pb.num_pairs_per_token);
+  }
+  const at::Tensor index =
+      at::from_blob(tokens.data(), {group.size()}, at::TensorOptions().dtype(at::kLong));
+  return at::index_select(x, 0, index).contiguous();  // copies: `tokens` dies here
 }
 
 template <typename scalar_t>
@@ -265,13 +276,7 @@ void run_blocked_group(const Problem& pb, const Routing& routing, const ExpertGr
   const int64_t D = pb.hidden;
   const int64_t I = pb.inter;
   const int64_t c = group.size();
-  std::vector<int64_t> tokens;
-  for (int64_t j = group.begin; j < group.end; ++j) {
-    tokens.push_back(routing.sorted_pairs[j] / pb.num_pairs_per_token);
-  }
-  const at::Tensor token_index =
-      at::from_blob(tokens.data(), {c}, at::TensorOptions().dtype(at::kLong));
-  const at::Tensor xe = at::index_select(x, 0, token_index).contiguous();  // [c, D]
+  const at::Tensor xe = group_rows(pb, routing, group, x);  // [c, D]
   at::Tensor h = at::empty({c, parts, I}, x.options());                    // [c, parts, I]
   const auto* xe_data = reinterpret_cast<const uint16_t*>(xe.const_data_ptr<scalar_t>());
   scalar_t* h_data = h.data_ptr<scalar_t>();
@@ -328,13 +333,7 @@ template <typename scalar_t>
 void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup& group,
                     const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2) {
   const int64_t I = pb.inter;
-  std::vector<int64_t> tokens;
-  for (int64_t j = group.begin; j < group.end; ++j) {
-    tokens.push_back(routing.sorted_pairs[j] / pb.num_pairs_per_token);
-  }
-  const at::Tensor token_index =
-      at::from_blob(tokens.data(), {group.size()}, at::TensorOptions().dtype(at::kLong));
-  const at::Tensor xe = at::index_select(x, 0, token_index).to(at::kFloat);  // [c, D]
+  const at::Tensor xe = group_rows(pb, routing, group, x).to(at::kFloat);  // [c, D]
   const at::Tensor gate_up = at::matmul(xe, w13[group.expert].to(at::kFloat).t());  // [c, 2I]
   const at::Tensor h = at::mul(at::silu(gate_up.narrow(1, 0, I)), gate_up.narrow(1, I, I));
   const at::Tensor y = at::matmul(h, w2[group.expert].to(at::kFloat).t()).contiguous();  // [c, D]
@@ -402,11 +401,9 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
   }
   const at::Tensor weights = topk_weights.contiguous();
   const bool tiles = streams_on_tiles(x.scalar_type(), D, I);
-  const int64_t max_pairs = max_streaming_pairs(x.scalar_type(), tiles);
-  Routing routing = group_by_expert(id_data, T * k, E, max_pairs);
-  if (batch_invariant()) {  // every pair streams: larger groups in chunks of max_pairs
-    routing = stream_all_groups(std::move(routing), max_pairs);
-  }
+  // batch-invariant mode: every pair streams (larger groups in pieces), one kernel for all
+  const Routing routing = group_by_expert(
+      id_data, T * k, E, max_streaming_pairs(x.scalar_type(), tiles), batch_invariant());
   const Problem pb{k, D, I, weights.const_data_ptr<float>(), sum.data_ptr<float>()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_experts", [&] {
     if (!routing.streaming.empty()) {

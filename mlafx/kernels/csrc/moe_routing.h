@@ -23,8 +23,10 @@ struct Routing {
 };
 
 // Counting sort of the pairs by expert; ids were range-checked by the caller.
+// stream_all (batch-invariant mode): no gemm groups; an expert with more than
+// max_streaming_pairs pairs streams them as consecutive pieces of at most that many.
 inline Routing group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t num_experts,
-                               int64_t max_streaming_pairs) {
+                               int64_t max_streaming_pairs, bool stream_all = false) {
   std::vector<int64_t> offsets(static_cast<size_t>(num_experts) + 1, 0);
   for (int64_t p = 0; p < num_pairs; ++p) {
     ++offsets[ids[p] + 1];
@@ -43,33 +45,16 @@ inline Routing group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t nu
     if (group.size() == 0) {
       continue;  // never read
     }
-    (group.size() <= max_streaming_pairs ? routing.streaming : routing.gemm).push_back(group);
-  }
-  return routing;
-}
-
-// The same pairs with every group streaming: a group of more than max_streaming_pairs is cut
-// into consecutive pieces of at most that many, in order (batch-invariant mode).
-inline Routing stream_all_groups(Routing routing, int64_t max_streaming_pairs) {
-  std::vector<ExpertGroup> groups;
-  size_t next_gemm = 0;
-  for (const ExpertGroup& group : routing.streaming) {  // both lists ascend by expert
-    while (next_gemm < routing.gemm.size() && routing.gemm[next_gemm].expert < group.expert) {
-      const ExpertGroup& big = routing.gemm[next_gemm++];
-      for (int64_t b = big.begin; b < big.end; b += max_streaming_pairs) {
-        groups.push_back({big.expert, b, std::min(big.end, b + max_streaming_pairs)});
+    if (group.size() <= max_streaming_pairs) {
+      routing.streaming.push_back(group);
+    } else if (!stream_all) {
+      routing.gemm.push_back(group);
+    } else {
+      for (int64_t b = group.begin; b < group.end; b += max_streaming_pairs) {
+        routing.streaming.push_back({e, b, std::min(group.end, b + max_streaming_pairs)});
       }
     }
-    groups.push_back(group);
   }
-  for (; next_gemm < routing.gemm.size(); ++next_gemm) {
-    const ExpertGroup& big = routing.gemm[next_gemm];
-    for (int64_t b = big.begin; b < big.end; b += max_streaming_pairs) {
-      groups.push_back({big.expert, b, std::min(big.end, b + max_streaming_pairs)});
-    }
-  }
-  routing.streaming = std::move(groups);
-  routing.gemm.clear();
   return routing;
 }
 
