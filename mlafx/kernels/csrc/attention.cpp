@@ -38,6 +38,7 @@
 #include "attention.h"
 #include "batch_invariant.h"
 #include "cpu_features.h"
+#include "parallel_chunks.h"
 
 namespace {
 
@@ -375,7 +376,7 @@ void run_attention(const Problem& problem, const CoreOps& core, const CoreDims& 
 
   // Merge the splits of each group: the same LSE arithmetic as merge_attn_states.
   const int64_t elem = static_cast<int64_t>(c10::elementSize(out_dtype));
-  at::parallel_for(0, static_cast<int64_t>(split_groups.size()), 1, [&](int64_t b, int64_t e) {
+  mlafx::parallel_chunks(0, static_cast<int64_t>(split_groups.size()), 1, [&](int64_t b, int64_t e) {
     const void* q[kMaxRows];
     int64_t limits[kMaxRows];
     void* out[kMaxRows];

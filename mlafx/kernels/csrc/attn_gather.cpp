@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "parallel_chunks.h"
+
 namespace {
 
 at::Tensor gather_latent(const at::Tensor& kv_cache,  // [NB, BS, Lkv + R]
@@ -54,7 +56,7 @@ at::Tensor gather_latent(const at::Tensor& kv_cache,  // [NB, BS, Lkv + R]
   char* dst = static_cast<char*>(out.data_ptr());
   // ~32 KB per chunk amortises waking a thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{32} << 10) / static_cast<int64_t>(row_bytes));
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+  mlafx::parallel_chunks(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       std::memcpy(dst + i * row_bytes, src + slot[i * stride] * row_bytes, row_bytes);
     }

@@ -24,6 +24,7 @@
 
 #include "attn_merge.h"
 #include "cpu_features.h"
+#include "parallel_chunks.h"
 
 namespace {
 
@@ -147,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor> merge_attn_states(
   // ~64 KB of output per chunk.
   const int64_t row_bytes = std::max<int64_t>(1, H * D * static_cast<int64_t>(out.element_size()));
   const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / row_bytes);
-  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+  mlafx::parallel_chunks(0, T, grain, [&](int64_t t0, int64_t t1) {
     if (vectorised) {
       mlafx::avx512::merge_attn_states(a, t0, t1);
     } else {

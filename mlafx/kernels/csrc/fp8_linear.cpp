@@ -31,6 +31,7 @@
 #include "cpu_features.h"
 #include "fp8_aten.h"
 #include "gemm_aten.h"
+#include "parallel_chunks.h"
 
 namespace mlafx {
 
@@ -79,7 +80,7 @@ Fp8Activations fp8_activations(const at::Tensor& x) {
   float* dst = out.data.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fp8_activations", [&] {
     const scalar_t* data = x.const_data_ptr<scalar_t>();
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    mlafx::parallel_chunks(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) {
         for (int64_t k = 0; k < K; ++k) dst[m * out.ld + k] = static_cast<float>(data[m * ldx + k]);
       }
@@ -154,7 +155,7 @@ at::Tensor rows_f32(const Fp8Rows& x, int64_t M, int64_t K) {
 at::Tensor dequantized_rows(const Fp8Weight& w, int64_t n0, int64_t n1) {
   at::Tensor out = at::empty({n1 - n0, w.K}, at::kFloat);
   float* data = out.data_ptr<float>();
-  at::parallel_for(n0, n1, std::max<int64_t>(1, fp8_row_grain(w.K) / 4), [&](int64_t a, int64_t b) {
+  mlafx::parallel_chunks(n0, n1, std::max<int64_t>(1, fp8_row_grain(w.K) / 4), [&](int64_t a, int64_t b) {
     fp8_dequantize(w, a, b, data + (a - n0) * w.K);
   });
   return out;
@@ -180,7 +181,7 @@ void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N,
     gemm_product_f32(w, x, M, N, out, ldo);
     return;
   }
-  at::parallel_for(0, N, fp8_row_grain(w.K), [&](int64_t n0, int64_t n1) {
+  mlafx::parallel_chunks(0, N, fp8_row_grain(w.K), [&](int64_t n0, int64_t n1) {
     fp8_dot(w, x, M, n0, n1, out + n0, ldo);
   });
 }
@@ -246,7 +247,7 @@ at::Tensor linear_fp8(const at::Tensor& x,       // [M, K]
     } else {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_fp8", [&] {
         scalar_t* out_data = out.data_ptr<scalar_t>();
-        at::parallel_for(0, N, fp8_row_grain(K), [&](int64_t n0, int64_t n1) {
+        mlafx::parallel_chunks(0, N, fp8_row_grain(K), [&](int64_t n0, int64_t n1) {
           run_range(w, xa, M, N, n0, n1, out_data);
         });
       });

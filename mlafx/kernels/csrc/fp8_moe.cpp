@@ -36,6 +36,7 @@
 #include "fp8_aten.h"
 #include "gemm_aten.h"
 #include "moe_routing.h"
+#include "parallel_chunks.h"
 
 namespace mlafx {
 namespace {
@@ -110,7 +111,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const Fp8Activatio
   const int64_t num_groups = static_cast<int64_t>(routing.streaming.size());
 
   // Pass 1: threads split the gate rows i (and the up rows I + i with them).
-  at::parallel_for(0, I, fp8_row_grain(D), [&](int64_t i0, int64_t i1) {
+  mlafx::parallel_chunks(0, I, fp8_row_grain(D), [&](int64_t i0, int64_t i1) {
     const int64_t ld = i1 - i0;
     std::vector<float> gate(static_cast<size_t>(kMaxStreamingPairs * ld));
     std::vector<float> up(gate.size());
@@ -131,7 +132,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const Fp8Activatio
   const Fp8Activations ha = fp8_activations(h);
 
   // Pass 2: threads split w2's rows d, i.e. own output columns [d0, d1).
-  at::parallel_for(0, D, fp8_row_grain(I), [&](int64_t d0, int64_t d1) {
+  mlafx::parallel_chunks(0, D, fp8_row_grain(I), [&](int64_t d0, int64_t d1) {
     const int64_t ld = d1 - d0;
     std::vector<float> y(static_cast<size_t>(kMaxStreamingPairs * ld));
     for (int64_t g = 0; g < num_groups; ++g) {
@@ -157,7 +158,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
   fp8_product_f32(pb.up(group.expert), xe.view(), c, I, gate_up.data() + I, 2 * I);
   at::Tensor h = at::empty({c, I}, x.options());  // [c, I]
   scalar_t* h_data = h.data_ptr<scalar_t>();
-  at::parallel_for(0, c, 16, [&](int64_t j0, int64_t j1) {
+  mlafx::parallel_chunks(0, c, 16, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       const float* row = gate_up.data() + j * 2 * I;
       for (int64_t i = 0; i < I; ++i) {
@@ -168,7 +169,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
   const Fp8Activations ha = fp8_activations(h);
   std::vector<float> y(static_cast<size_t>(c * D));  // [c, D] fp32
   fp8_product_f32(pb.down(group.expert), ha.view(), c, D, y.data(), D);
-  at::parallel_for(0, D, 256, [&](int64_t d0, int64_t d1) {
+  mlafx::parallel_chunks(0, D, 256, [&](int64_t d0, int64_t d1) {
     add_weighted_rows<scalar_t>(pb, routing, group, y.data() + d0, D, d0, d1);
   });
 }

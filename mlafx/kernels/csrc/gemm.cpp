@@ -56,6 +56,7 @@
 #include "cpu_features.h"
 #include "gemm.h"
 #include "gemm_aten.h"
+#include "parallel_chunks.h"
 #include "latent_cache.h"  // avx512::convert_fp32_to_bf16 (RNE, bit-exact with c10)
 
 namespace mlafx {
@@ -288,7 +289,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight  // [N, K]
                                   [&] {
                                     const scalar_t* src = w.const_data_ptr<scalar_t>();
                                     scalar_t* dst = packed.data_ptr<scalar_t>();
-                                    at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+                                    mlafx::parallel_chunks(0, blocks, 4, [&](int64_t b0, int64_t b1) {
                                       pack_blocks(src, K, N, K, dst, b0, b1);
                                     });
                                   });
@@ -359,7 +360,7 @@ void unpack_rows_parallel(const at::Tensor& packed, int64_t K, int64_t n_begin, 
   const int64_t block_bytes = std::max<int64_t>(packed.size(1), 1) * 2 * kPackedBlockRows *
                               element_size;
   const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / block_bytes);
-  at::parallel_for(n_begin / kPackedBlockRows, (n_end + kPackedBlockRows - 1) / kPackedBlockRows,
+  mlafx::parallel_chunks(n_begin / kPackedBlockRows, (n_end + kPackedBlockRows - 1) / kPackedBlockRows,
                    grain, [&](int64_t b0, int64_t b1) {
                      const int64_t r0 = std::max(n_begin, b0 * kPackedBlockRows);
                      const int64_t r1 = std::min(n_end, b1 * kPackedBlockRows);
@@ -410,7 +411,7 @@ at::Tensor linear_streaming(const at::Tensor& x,       // [M, K]
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_decode", [&] {
     scalar_t* out_data = out.data_ptr<scalar_t>();
     const scalar_t* bias_data = bias != nullptr ? bias->const_data_ptr<scalar_t>() : nullptr;
-    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    mlafx::parallel_chunks(0, blocks, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(static_cast<size_t>(M * step_rows));
       for (int64_t b0 = begin; b0 < end; b0 += kBlocksPerStep) {
         const int64_t b1 = std::min(end, b0 + kBlocksPerStep);
@@ -438,7 +439,7 @@ at::Tensor linear_streaming(const at::Tensor& x,       // [M, K]
           }
         }
       }
-    });
+    }, /*align=*/kBlocksPerStep);
   });
   return out;
 }

@@ -21,6 +21,7 @@
 
 #include "cpu_features.h"
 #include "latent_cache.h"
+#include "parallel_chunks.h"
 
 namespace {
 
@@ -131,7 +132,7 @@ void write_latent_rows(const RowSource& kv_c, const RowSource& k_pe, char* cache
   const int64_t k_pe_offset_bytes = kv_c.width * cache_elem_bytes;
   // One row is ~1 KB (576 bf16); a chunk of ~32 KB amortises waking a thread.
   const int64_t grain = std::max<int64_t>(1, (int64_t{32} << 10) / std::max<int64_t>(row_bytes, 1));
-  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+  mlafx::parallel_chunks(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t * slot_stride];
       if (slot < 0) {

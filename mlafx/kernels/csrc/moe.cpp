@@ -54,6 +54,7 @@
 #include "gemm.h"
 #include "gemm_aten.h"
 #include "moe_routing.h"
+#include "parallel_chunks.h"
 
 namespace mlafx {
 namespace {
@@ -204,7 +205,7 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
   }
 
   // Pass 1: h = silu(x @ gate^T) * (x @ up^T), threads split the rows i of gate and up.
-  at::parallel_for(0, I, kRowsPerStep / 2, [&](int64_t begin, int64_t end) {
+  mlafx::parallel_chunks(0, I, kRowsPerStep, [&](int64_t begin, int64_t end) {
     std::vector<float> gate(static_cast<size_t>(kMaxStreamingPairs * kRowsPerStep));
     std::vector<float> up(gate.size());
     for (int64_t i0 = begin; i0 < end; i0 += kRowsPerStep) {
@@ -225,7 +226,7 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
         }
       }
     }
-  });
+  }, /*align=*/kRowsPerStep);
 
   if (tiles) {
     for (int64_t g = 0; g < num_groups; ++g) {
@@ -239,7 +240,7 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
 
   // Pass 2: sum[t] += weight * h @ w2^T, threads split the rows d of w2 (= output columns).
   // Row parts * j + q of y is part q of pair j's product.
-  at::parallel_for(0, D, kRowsPerStep / 2, [&](int64_t begin, int64_t end) {
+  mlafx::parallel_chunks(0, D, kRowsPerStep, [&](int64_t begin, int64_t end) {
     std::vector<float> y(static_cast<size_t>(parts * kMaxStreamingPairs * kRowsPerStep));
     for (int64_t d0 = begin; d0 < end; d0 += kRowsPerStep) {
       const int64_t d1 = std::min(end, d0 + kRowsPerStep);
@@ -259,7 +260,7 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
         add_weighted_rows(pb, routing, group, y.data(), kRowsPerStep, parts, d0, d1);
       }
     }
-  });
+  }, /*align=*/kRowsPerStep);
 }
 
 // Many pairs, bf16 on an AVX-512 BF16 CPU: the same two passes with fp32 results, but each
@@ -287,7 +288,7 @@ void run_blocked_group(const Problem& pb, const Routing& routing, const ExpertGr
   const int64_t w13_row = w13.stride(1), w2_row = w2.stride(1);
 
   // Pass 1: threads split the rows i of gate and up.
-  at::parallel_for(0, I, kBlockedRows, [&](int64_t begin, int64_t end) {
+  mlafx::parallel_chunks(0, I, kBlockedRows, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> gate_w(static_cast<size_t>(kBlockedRows * (D + 1)));
     std::vector<uint16_t> up_w(gate_w.size());
     std::vector<float> gate(static_cast<size_t>(c * kBlockedRows));
@@ -309,11 +310,11 @@ void run_blocked_group(const Problem& pb, const Routing& routing, const ExpertGr
         }
       }
     }
-  });
+  }, /*align=*/kBlockedRows);
 
   // Pass 2: threads split the rows d of w2; the parts of h are parts * c rows of width I.
   const auto* h_rows = reinterpret_cast<const uint16_t*>(h_data);
-  at::parallel_for(0, D, kBlockedRows, [&](int64_t begin, int64_t end) {
+  mlafx::parallel_chunks(0, D, kBlockedRows, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> down_w(static_cast<size_t>(kBlockedRows * (I + 1)));
     std::vector<float> y(static_cast<size_t>(parts * c * kBlockedRows));
     for (int64_t d0 = begin; d0 < end; d0 += kBlockedRows) {
@@ -323,7 +324,7 @@ void run_blocked_group(const Problem& pb, const Routing& routing, const ExpertGr
                  (n + kPackedBlockRows - 1) / kPackedBlockRows, y.data(), kBlockedRows);
       add_weighted_rows(pb, routing, group, y.data(), kBlockedRows, parts, d0, d0 + n);
     }
-  });
+  }, /*align=*/kBlockedRows);
 }
 
 // Many pairs in the other cases: ATen's GEMMs in fp32 (a bf16/fp16 GEMM would round its
@@ -339,7 +340,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
   const at::Tensor y = at::matmul(h, w2[group.expert].to(at::kFloat).t()).contiguous();  // [c, D]
   const float* y_data = y.const_data_ptr<float>();
   const int64_t D = pb.hidden;
-  at::parallel_for(0, D, 256, [&](int64_t d0, int64_t d1) {
+  mlafx::parallel_chunks(0, D, 256, [&](int64_t d0, int64_t d1) {
     add_weighted_rows(pb, routing, group, y_data + d0, D, 1, d0, d1);
   });
 }

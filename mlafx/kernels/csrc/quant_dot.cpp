@@ -21,6 +21,7 @@
 
 #include "cpu_features.h"
 #include "quant_aten.h"
+#include "parallel_chunks.h"
 
 namespace mlafx {
 namespace {
@@ -170,7 +171,7 @@ QuantizedActivations quantize_activations(const at::Tensor& x) {
   // ~1 us per 2048 values: a grain of 16 rows keeps thread wake-ups below the work.
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
     const scalar_t* data = x.const_data_ptr<scalar_t>();
-    at::parallel_for(0, out.rows, 16, [&](int64_t m0, int64_t m1) {
+    mlafx::parallel_chunks(0, out.rows, 16, [&](int64_t m0, int64_t m1) {
       quantize_rows(data, ldx, K, m0, m1, out);
     });
   });
@@ -202,7 +203,7 @@ void quant_product_f32(int bits, const QuantRows& x, int64_t M, const uint8_t* p
   // Steps of blocks whose fp32 scratch ([M, 16 * step]) stays within ~256 KB.
   const int64_t step = std::clamp<int64_t>((int64_t{64} << 10) / (std::max<int64_t>(M, 1) * kRows),
                                            1, 16);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  mlafx::parallel_chunks(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     const int64_t ld = step * kRows;
     std::vector<float> scratch(static_cast<size_t>(M * ld));
     for (int64_t s0 = b0; s0 < b1; s0 += step) {

@@ -30,6 +30,7 @@
 
 #include "gemm_aten.h"
 #include "quant_aten.h"
+#include "parallel_chunks.h"
 
 namespace mlafx {
 namespace {
@@ -122,11 +123,11 @@ at::Tensor linear_quantized(const at::Tensor& x,       // [M, K]
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_quantized", [&] {
     scalar_t* out_data = out.data_ptr<scalar_t>();
     if (split_rows) {
-      at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      mlafx::parallel_chunks(0, M, 16, [&](int64_t m0, int64_t m1) {
         run_range(xq, bits, w, groups, N, m0, m1, 0, blocks, out_data);
       });
     } else {
-      at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+      mlafx::parallel_chunks(0, blocks, grain, [&](int64_t b0, int64_t b1) {
         run_range(xq, bits, w, groups, N, 0, M, b0, b1, out_data);
       });
     }

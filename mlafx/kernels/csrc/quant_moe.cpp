@@ -38,6 +38,7 @@
 #include "gemm_aten.h"
 #include "moe_routing.h"
 #include "quant_aten.h"
+#include "parallel_chunks.h"
 
 namespace mlafx {
 namespace {
@@ -106,7 +107,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const QuantizedAct
   const int64_t gd = groups_of(D), gi = groups_of(I);
 
   // Pass 1: threads split the 16-row blocks of gate rows i (and the up rows I + i with them).
-  at::parallel_for(0, blocks_of(I), 1, [&](int64_t ib0, int64_t ib1) {
+  mlafx::parallel_chunks(0, blocks_of(I), 1, [&](int64_t ib0, int64_t ib1) {
     const int64_t i0 = ib0 * kRows, i1 = std::min(I, ib1 * kRows);
     const int64_t ub0 = (I + i0) / kRows, ub1 = blocks_of(I + i1);
     const int64_t ld_g = (ib1 - ib0) * kRows, ld_u = (ub1 - ub0) * kRows;
@@ -131,7 +132,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const QuantizedAct
   const QuantizedActivations hq = quantize_activations(h);
 
   // Pass 2: threads split the blocks of w2's rows d, i.e. own output columns [d0, d1).
-  at::parallel_for(0, blocks_of(D), 1, [&](int64_t db0, int64_t db1) {
+  mlafx::parallel_chunks(0, blocks_of(D), 1, [&](int64_t db0, int64_t db1) {
     const int64_t d0 = db0 * kRows, d1 = std::min(D, db1 * kRows);
     const int64_t ld = (db1 - db0) * kRows;
     std::vector<float> y(static_cast<size_t>(kMaxStreamingPairs * ld));
@@ -158,7 +159,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
                     blocks_of(2 * I), groups_of(D), 2 * I, gate_up.data(), 2 * I);
   at::Tensor h = at::empty({c, I}, x.options());  // [c, I]
   scalar_t* h_data = h.data_ptr<scalar_t>();
-  at::parallel_for(0, c, 16, [&](int64_t j0, int64_t j1) {
+  mlafx::parallel_chunks(0, c, 16, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       const float* row = gate_up.data() + j * 2 * I;
       for (int64_t i = 0; i < I; ++i) {
@@ -170,7 +171,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
   std::vector<float> y(static_cast<size_t>(c * D));  // [c, D] fp32
   quant_product_f32(pb.bits, hq.view(), c, pb.w2 + group.expert * pb.w2_expert, blocks_of(D),
                     groups_of(I), D, y.data(), D);
-  at::parallel_for(0, D, 256, [&](int64_t d0, int64_t d1) {
+  mlafx::parallel_chunks(0, D, 256, [&](int64_t d0, int64_t d1) {
     add_weighted_rows<scalar_t>(pb, routing, group, y.data() + d0, D, d0, d1);
   });
 }

@@ -40,6 +40,7 @@
 #include "cpu_features.h"
 #include "gemm_aten.h"
 #include "quant.h"
+#include "parallel_chunks.h"
 
 namespace mlafx {
 namespace {
@@ -254,7 +255,7 @@ at::Tensor quantize_linear_weight(const at::Tensor& weight,  // [N, K]
         const scalar_t* src = w.const_data_ptr<scalar_t>();
         const int64_t ldw = w.stride(0);
         uint8_t* dst = packed.data_ptr<uint8_t>();
-        at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+        mlafx::parallel_chunks(0, blocks, 1, [&](int64_t b0, int64_t b1) {
           quantize_blocks(src, ldw, N, K, b, dst, b0, b1);
         });
       });
