@@ -84,7 +84,9 @@ class ServerProcess:
         self.stop()
 
 
-def server_flags(model: str, *, compile: bool, dtype: str = "float32") -> list[str]:
+def server_flags(
+    model: str, *, compile: bool, dtype: str = "float32", batch_invariant: bool = False
+) -> list[str]:
     return [
         "--model",
         "deepseek-v2-lite",
@@ -97,6 +99,7 @@ def server_flags(model: str, *, compile: bool, dtype: str = "float32") -> list[s
         "--compile" if compile else "--no-compile",
         "--log-level",
         "warning",
+        *(["--batch-invariant"] if batch_invariant else []),
     ]
 
 
@@ -200,6 +203,11 @@ def main() -> int:
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--compile", action="store_true", help="serve the compiled step")
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="serve in batch-invariant mode (with --compile; its cost under load)",
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -216,7 +224,9 @@ def main() -> int:
         print(report.summary())
         print(metrics_summary(args.url))
         return 1 if report.errors else 0
-    flags = server_flags(args.model, compile=args.compile, dtype=args.dtype)
+    flags = server_flags(
+        args.model, compile=args.compile, dtype=args.dtype, batch_invariant=args.batch_invariant
+    )
     with ServerProcess(flags) as server:
         report = run_load(
             server.url,
@@ -227,7 +237,8 @@ def main() -> int:
         )
         print(
             f"mlafx serve ({args.model} model, {'compiled' if args.compile else 'reference'} "
-            f"step, {args.dtype}), {args.concurrency} clients, {args.max_tokens} tokens each, "
+            f"step, {args.dtype}{', batch-invariant' if args.batch_invariant else ''}), "
+            f"{args.concurrency} clients, {args.max_tokens} tokens each, "
             f"prompts of {args.min_prompt}-{args.max_prompt} tokens"
         )
         print(report.summary())

@@ -482,6 +482,7 @@ BENCHMARKS = {
     "host-step-inputs": "host_step_inputs.py",
     "load-weights": "load_weights.py",
     "quant": "quant.py",
+    "busy-machine": "busy_machine.py",
 }
 
 

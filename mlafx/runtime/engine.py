@@ -491,7 +491,11 @@ class LLM:
         - counters behind them (``prompt_tokens``, ``prefix_cache_hit_tokens``,
           ``computed_prompt_tokens``, ``generation_tokens``, ``busy_s``, ``num_requests``,
           ``num_finished_requests``, ``num_aborted_requests``, ``num_steps``) and
-          ``kv_cache_usage`` (fraction of usable blocks held by requests now).
+          ``kv_cache_usage`` (fraction of usable blocks held by requests now);
+        - ``num_slow_steps``: steps that took at least twice their recent median (steps of
+          about the same size; a busy machine, see ``runtime/step_slowdown.py``), and
+          ``last_step_vs_median``: the latest step's time over that median (0 until a size
+          has 16 steps).
         """
         return self.engine.metrics()
 

@@ -26,6 +26,7 @@ from mlafx.runtime.request import Request
 from mlafx.runtime.sampler import Sample, SamplingError, sample, top_logprobs
 from mlafx.runtime.scheduler import ScheduledSequence, Scheduler
 from mlafx.runtime.step_inputs import step_inputs_for
+from mlafx.runtime.step_slowdown import StepSlowdownMonitor
 
 log = logging.getLogger(__name__)
 _LOGPROB_ROWS = 256  # prompt-logprob rows turned into float32 log-softmax at a time
@@ -72,6 +73,8 @@ class EngineCore:
         ]
         self.blocks = BlockManager(num_blocks, enable_prefix_caching=enable_prefix_caching)
         self.stats = EngineStats()
+        # under TP the driver's threads wait for the workers': its step time covers theirs
+        self.slowdown = StepSlowdownMonitor(threads=torch.get_num_threads)
         self.kv_transfer = (
             None if kv_connector is None else KVTransfer(kv_connector, self.kv_caches)
         )
@@ -145,8 +148,10 @@ class EngineCore:
                         changed.append(seq.request)
         for part, logits in parts:
             changed += self._finish_part(part, logits)
+        elapsed = time.perf_counter() - started
         self.stats.num_steps += 1
-        self.stats.busy_seconds += time.perf_counter() - started
+        self.stats.busy_seconds += elapsed
+        self.slowdown.record(sum(seq.num_tokens for seq in batch), len(batch), elapsed)
         return changed
 
     def _forward(self, batch: list[ScheduledSequence]) -> torch.Tensor:
@@ -257,7 +262,11 @@ class EngineCore:
         return None
 
     def metrics(self) -> dict[str, float]:
-        return self.stats.as_dict(self.blocks.num_free_blocks, self.blocks.num_usable_blocks)
+        return {
+            **self.stats.as_dict(self.blocks.num_free_blocks, self.blocks.num_usable_blocks),
+            "num_slow_steps": self.slowdown.num_slow_steps,
+            "last_step_vs_median": self.slowdown.last_ratio,
+        }
 
     def close(self) -> None:
         if self.kv_transfer is not None:

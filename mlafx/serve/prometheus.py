@@ -67,6 +67,12 @@ SERIES = [
            "num_aborted_requests"),
     Series("engine_steps_total", "counter", "Engine steps run.", "num_steps"),
     Series("engine_busy_seconds_total", "counter", "Wall time spent in engine steps.", "busy_s"),
+    Series("engine_slow_steps_total", "counter",
+           "Steps that took at least twice the recent median of steps their size "
+           "(the machine is busy).", "num_slow_steps"),
+    Series("engine_last_step_vs_median", "gauge",
+           "The latest step's time over the recent median of steps its size (0: too few yet).",
+           "last_step_vs_median"),
 ]  # fmt: skip
 
 
