@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -76,8 +77,11 @@ def test_families_and_nested_text_config():
     assert v3.q_lora_rank == 1536 and (v3.n_group, v3.topk_group) == (8, 4)
     kimi = ModelConfig.from_hf_dict(v2_lite(model_type="kimi_k2"))
     assert kimi.family == "deepseek_v3"
-    wrapped = ModelConfig.from_hf_dict({"model_type": "kimi_k25", "text_config": v2_lite()})
-    assert wrapped == ModelConfig.from_hf_dict(v2_lite())
+    wrapper = {"model_type": "kimi_k25", "text_config": v2_lite(), "tie_word_embeddings": False}
+    assert ModelConfig.from_hf_dict(wrapper) == ModelConfig.from_hf_dict(v2_lite())
+    # transformers ties by the wrapper's config, whose own default (Kimi_K25Config's) is True
+    del wrapper["tie_word_embeddings"]
+    assert ModelConfig.from_hf_dict(wrapper).tie_word_embeddings
     glm = ModelConfig.from_hf_dict(
         v2_lite(
             model_type="glm4_moe_lite",
@@ -135,3 +139,79 @@ def test_full_preset_is_refused_up_front_with_an_estimate():
     cfg = ModelConfig.from_model("deepseek-v2-lite")
     with pytest.raises(ConfigError, match=r"needs about 29\.\d GiB"):
         check_fits_in_memory(cfg, "bfloat16", min_kv_tokens=16)
+
+
+def minicpm3_4b(**overrides) -> dict:
+    """openbmb/MiniCPM3-4B's config.json as the Hub has it (LongRoPE, no v_head_dim, no tie
+    field), with its factor lists cut to two entries per list for a rope width of 4."""
+    raw = {
+        "model_type": "minicpm3",
+        "vocab_size": 73448,
+        "hidden_size": 2560,
+        "intermediate_size": 6400,
+        "num_hidden_layers": 62,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 4,
+        "kv_lora_rank": 256,
+        "q_lora_rank": 768,
+        "max_position_embeddings": 32768,
+        "rope_scaling": {
+            "type": "longrope",
+            "long_factor": [1.05, 1.2],
+            "short_factor": [1.05, 1.2],
+            "original_max_position_embeddings": 32768,
+        },
+        "scale_emb": 12,
+        "scale_depth": 1.4,
+        "dim_model_base": 256,
+    }
+    return {**raw, **overrides}
+
+
+def test_minicpm3_defaults_scalings_and_longrope():
+    from mlafx.config import LongRopeScaling
+    from mlafx.export.manifest import config_from_dict
+
+    cfg = ModelConfig.from_hf_dict(minicpm3_4b(rope_interleave=True))
+    assert cfg.family == "minicpm3" and cfg.v_head_dim == 64  # hidden_size // heads
+    assert cfg.tie_word_embeddings and not cfg.rope_interleave  # always NeoX halves
+    assert cfg.mlp_layer_types == ("dense",) * 62 and cfg.n_routed_experts == 0
+    assert cfg.embedding_scale == 12 and cfg.logits_divisor == 10
+    assert cfg.residual_scale == pytest.approx(1.4 / 62**0.5)
+    assert cfg.rope_scaling == LongRopeScaling(factors=(1.05, 1.2), attention_factor=1.0)
+    assert config_from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # artifacts' manifest
+    longer = ModelConfig.from_hf_dict(minicpm3_4b(max_position_embeddings=65536))
+    assert longer.rope_scaling.attention_factor == pytest.approx(
+        (1 + 0.6931471805599453 / 10.397207708399179) ** 0.5  # sqrt(1 + ln 2 / ln 32768)
+    )
+    off = ModelConfig.from_hf_dict(minicpm3_4b(scale_depth=None, dim_model_base=None))
+    assert off.residual_scale == 1 and off.logits_divisor == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (  # the long factors would apply past the original length: refused
+            {
+                "max_position_embeddings": 65536,
+                "rope_scaling": {
+                    "type": "longrope",
+                    "long_factor": [2.0, 3.0],
+                    "short_factor": [1.0, 1.0],
+                    "original_max_position_embeddings": 32768,
+                },
+            },
+            "'max_position_embeddings'=65536",
+        ),
+        (
+            {"rope_scaling": {"type": "longrope", "long_factor": [1], "short_factor": [1, 2]}},
+            "rope_parameters.long_factor",
+        ),
+        ({"scale_emb": -1}, "'scale_emb'"),
+    ],
+)
+def test_bad_minicpm3_configs_are_refused_naming_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        ModelConfig.from_hf_dict(minicpm3_4b(**overrides))

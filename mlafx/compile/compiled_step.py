@@ -55,7 +55,7 @@ from mlafx.graph.capture import (
     step_dynamic_shapes,
 )
 from mlafx.models.deepseek import MLAForCausalLM
-from mlafx.models.layers import rms_norm
+from mlafx.models.layers import rms_norm, scale_embedding, scale_logits_input
 from mlafx.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
 from mlafx.models.step import CACHE_LAYOUT_VERSION, StepMetadata
 from mlafx.passes.derived_constants import packed_name, with_derived_constants
@@ -391,10 +391,12 @@ class CompiledStep:
     ) -> torch.Tensor:
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_scale)
         meta_leaves = [getattr(meta, f.name) for f in fields(meta)]
-        x = F.embedding(input_ids, self.embedding)
+        cfg = self.config
+        x = scale_embedding(F.embedding(input_ids, self.embedding), cfg.embedding_scale)
         for runner, cache in zip(self.layers, caches, strict=True):
             (x,) = runner.run_flat([x, positions, cos, sin, cache, *meta_leaves])
-        h = rms_norm(x.index_select(0, logits_indices), self.final_norm, self.config.rms_norm_eps)
+        h = rms_norm(x.index_select(0, logits_indices), self.final_norm, cfg.rms_norm_eps)
+        h = scale_logits_input(h, cfg.logits_divisor)
         if self.lm_head_qweight is not None:
             return torch.ops.mlafx.linear_quantized(h, self.lm_head_qweight, self.vocab_size, None)
         return torch.ops.mlafx.linear_packed(h, self.lm_head_packed, self.vocab_size, None)

@@ -1,7 +1,13 @@
 """Model configuration: HF ``config.json`` (+ ``hf_overrides``) or a preset -> ModelConfig."""
 
 from mlafx.config.memory import check_fits_in_memory, kv_bytes_per_token, weight_bytes
-from mlafx.config.model_config import ConfigError, ModelConfig, YarnScaling, yarn_mscale
+from mlafx.config.model_config import (
+    ConfigError,
+    LongRopeScaling,
+    ModelConfig,
+    YarnScaling,
+    yarn_mscale,
+)
 from mlafx.config.presets import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES, PRESETS
 
 __all__ = [
@@ -10,6 +16,7 @@ __all__ = [
     "EMBEDDED_DEFAULT_OVERRIDES",
     "ModelConfig",
     "PRESETS",
+    "LongRopeScaling",
     "YarnScaling",
     "check_fits_in_memory",
     "kv_bytes_per_token",

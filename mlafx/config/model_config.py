@@ -1,9 +1,11 @@
 """`ModelConfig`: the frozen, validated description of one MLA model.
 
 Built from a Hugging Face ``config.json`` (``deepseek_v2``, ``deepseek_v3``/``kimi_k2``,
-``glm4_moe_lite``, or any of them nested under ``text_config`` as Kimi K2.5 does) with
-optional ``hf_overrides`` applied over the file before validation, like vLLM's
-``--hf-overrides``. Every error names the offending field.
+``glm4_moe_lite``, ``minicpm3``, or any of them nested under ``text_config`` as Kimi K2.5's
+``kimi_k25`` does) with optional ``hf_overrides`` applied over the file before validation,
+like vLLM's ``--hf-overrides``. Every error names the offending field; a ``transformers``
+model type with MLA attention that mlafx cannot serve yet is refused naming what it lacks
+(``UNSUPPORTED_MLA_MODEL_TYPES``).
 
 Symbols (DESIGN.md): D = hidden_size, H = num_attention_heads, Lkv = kv_lora_rank,
 R = qk_rope_head_dim, P = qk_nope_head_dim, V = v_head_dim, Lq = q_lora_rank.
@@ -31,6 +33,7 @@ _FAMILIES = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "glm4_moe_lite": "glm4_moe_lite",
+    "minicpm3": "minicpm3",
 }
 # Sparse-attention (DSA) model types: same latent cache, but an indexer picks the keys.
 _SPARSE_MODEL_TYPES = {"deepseek_v32", "glm_moe_dsa", "glm5"}
@@ -40,7 +43,14 @@ _ROUTER_DEFAULTS = {
     "deepseek_v2": ("softmax", "greedy"),
     "deepseek_v3": ("sigmoid", "noaux_tc"),
     "glm4_moe_lite": ("sigmoid", "noaux_tc"),
+    "minicpm3": ("softmax", "greedy"),  # dense: no router
 }
+# What each family's transformers config assumes when config.json is silent (a hub config may
+# rely on them): tied embeddings, RoPE pairs (interleaved) or NeoX halves.
+_TIE_DEFAULTS = {"minicpm3": True}
+# Families whose modelling code fixes the RoPE layout whatever config.json says: MiniCPM3
+# rotates NeoX halves (Llama's ``apply_rotary_pos_emb``).
+_FIXED_ROPE_INTERLEAVE = {"minicpm3": False}
 
 ScoringFunc = Literal["softmax", "sigmoid"]
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
@@ -114,6 +124,24 @@ class YarnScaling:
         return yarn_mscale(self.factor)
 
 
+@dataclass(frozen=True)
+class LongRopeScaling:
+    """LongRoPE (``rope_type: longrope``, MiniCPM3) with one list of per-frequency factors in
+    force: ``inv_freq[i] = 1 / (factors[i] * theta^(2i/R))``, cos/sin times
+    ``attention_factor``. transformers switches every position of a batch from the short to the
+    long factors once any sequence passes ``original_max_position_embeddings``, which keys
+    already in a paged cache cannot follow, so a config whose two lists differ must keep
+    ``max_position_embeddings`` within the original length (the short list is then the one
+    transformers uses for every position too)."""
+
+    factors: tuple[float, ...]
+    attention_factor: float
+
+    @property
+    def cos_sin_scale(self) -> float:
+        return self.attention_factor
+
+
 def yarn_mscale(scale: float, m: float = 1.0) -> float:
     """``mscale(s, m) = 1 if s <= 1 else 0.1 * m * ln(s) + 1`` (DESIGN.md)."""
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -148,13 +176,20 @@ class ModelConfig:
     # norms, RoPE, embeddings
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: YarnScaling | None
+    rope_scaling: YarnScaling | LongRopeScaling | None
     rope_interleave: bool
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # MiniCPM3's scalings (1.0 for every other family): the embedding times
+    # ``embedding_scale`` (``scale_emb``), every residual branch times ``residual_scale``
+    # (``scale_depth / sqrt(num_hidden_layers)``) before it is added, the final norm's output
+    # divided by ``logits_divisor`` (``hidden_size / dim_model_base``) before ``lm_head``
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logits_divisor: float = 1.0
 
     # ----- derived quantities (never stored twice) -----
     @property
@@ -171,7 +206,7 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         """``(P+R)^-0.5``, times ``mscale(factor, mscale_all_dim)^2`` under YaRN."""
         scale = self.qk_head_dim**-0.5
-        if self.rope_scaling is not None and self.rope_scaling.mscale_all_dim:
+        if isinstance(self.rope_scaling, YarnScaling) and self.rope_scaling.mscale_all_dim:
             m = yarn_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)
             scale *= m * m
         return scale
@@ -221,12 +256,24 @@ def load_hf_config_dict(model: str | Path) -> dict[str, Any]:
         return json.load(f)
 
 
+# Multimodal wrappers' own default for tying lm_head to the embedding (transformers ties by the
+# wrapper's config, not the text config's): Kimi_K25Config's.
+_WRAPPER_TIE_DEFAULTS = {"kimi_k25": True}
+
+
 def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
-    """Multimodal wrappers (Kimi K2.5) keep the language model under ``text_config``."""
+    """Multimodal wrappers (Kimi K2.5) keep the language model under ``text_config``; the
+    wrapper's ``tie_word_embeddings`` decides the tie."""
     text = raw.get("text_config")
-    if isinstance(text, dict) and "model_type" in text:
-        return dict(text)
-    return dict(raw)
+    if not (isinstance(text, dict) and "model_type" in text):
+        return dict(raw)
+    text = dict(text)
+    wrapper = raw.get("model_type")
+    if "tie_word_embeddings" in raw:
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    elif wrapper in _WRAPPER_TIE_DEFAULTS:
+        text["tie_word_embeddings"] = _WRAPPER_TIE_DEFAULTS[wrapper]
+    return text
 
 
 def _apply_overrides(cfg: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -258,6 +305,9 @@ _READ_KEYS = {
     "num_experts_per_tok",
     "mlp_bias",
     "partial_rotary_factor",
+    "scale_emb",
+    "scale_depth",
+    "dim_model_base",
 }
 
 
@@ -274,9 +324,9 @@ def _positive_int(cfg: dict[str, Any], key: str) -> int:
     return value
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, YarnScaling | None]:
-    """RoPE theta and YaRN scaling from either transformers-5 ``rope_parameters`` or the
-    hub's ``rope_theta`` + ``rope_scaling``."""
+def _rope(cfg: dict[str, Any]) -> tuple[float, YarnScaling | LongRopeScaling | None]:
+    """RoPE theta and YaRN or LongRoPE scaling from either transformers-5 ``rope_parameters``
+    or the hub's ``rope_theta`` + ``rope_scaling``."""
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
     if not isinstance(params, dict) or not isinstance(legacy, dict):
@@ -291,8 +341,12 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, YarnScaling | None]:
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type == "default":
         return theta, None
+    if rope_type == "longrope":
+        return theta, _longrope(cfg, params)
     if rope_type not in ("yarn", "deepseek_yarn"):
-        raise ConfigError(f"config field 'rope_type'={rope_type!r} is not supported (yarn only)")
+        raise ConfigError(
+            f"config field 'rope_type'={rope_type!r} is not supported (yarn or longrope)"
+        )
     factor = params.get("factor")
     original = params.get("original_max_position_embeddings")
     if factor is None or original is None:
@@ -312,6 +366,42 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, YarnScaling | None]:
         truncate=bool(params.get("truncate", True)),
     )
     return theta, yarn
+
+
+def _longrope(cfg: dict[str, Any], params: dict[str, Any]) -> LongRopeScaling:
+    """transformers' ``_compute_longrope_parameters`` with the factor list that applies to
+    every position the config admits (``LongRopeScaling``)."""
+    half = _positive_int(cfg, "qk_rope_head_dim") // 2
+    lists = {}
+    for key in ("short_factor", "long_factor"):
+        values = params.get(key)
+        if not isinstance(values, list) or len(values) != half:
+            raise ConfigError(
+                f"config field 'rope_parameters.{key}' must list {half} factors "
+                f"(qk_rope_head_dim / 2), got {values!r}"
+            )
+        lists[key] = tuple(float(v) for v in values)
+    max_positions = _positive_int(cfg, "max_position_embeddings")
+    original = params.get("original_max_position_embeddings") or max_positions
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise ConfigError(
+            "config field 'rope_parameters.original_max_position_embeddings' must be a positive "
+            f"integer, got {original!r}"
+        )
+    if lists["short_factor"] != lists["long_factor"] and max_positions > original:
+        raise ConfigError(
+            f"config field 'max_position_embeddings'={max_positions} exceeds LongRoPE's "
+            f"original_max_position_embeddings={original} while long_factor differs from "
+            "short_factor: transformers switches every position of a batch to the long factors "
+            "past the original length, which keys already in a paged cache cannot follow; "
+            f"serve it with hf_overrides={{'max_position_embeddings': {original}}}"
+        )
+    factor = params.get("factor")
+    factor = max_positions / original if factor is None else float(factor)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRopeScaling(factors=lists["short_factor"], attention_factor=float(attention))
 
 
 def _optional_float(value: Any) -> float | None:
@@ -354,6 +444,12 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
             f"{', '.join(sorted(_FAMILIES))}"
         )
     family = _FAMILIES[model_type]
+    if family == "minicpm3" and cfg.get("v_head_dim") is None:  # transformers' default
+        cfg = {
+            **cfg,
+            "v_head_dim": _positive_int(cfg, "hidden_size")
+            // _positive_int(cfg, "num_attention_heads"),
+        }
 
     dims = {
         k: _positive_int(cfg, k)
@@ -463,10 +559,31 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=yarn,
         # DeepSeek-V2 is always interleaved; V3/GLM configs may switch to NeoX halves.
-        rope_interleave=bool(cfg.get("rope_interleave", True)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_interleave=_FIXED_ROPE_INTERLEAVE.get(family, bool(cfg.get("rope_interleave", True))),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", _TIE_DEFAULTS.get(family, False))),
         attention_bias=bool(cfg.get("attention_bias", False)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
+        **_scalings(cfg, family, dims),
         **dims,
     )
+
+
+def _scalings(cfg: dict[str, Any], family: str, dims: dict[str, int]) -> dict[str, float]:
+    """MiniCPM3's embedding, residual and logits scalings (transformers' defaults when
+    config.json is silent: 12, 1.4 / sqrt(L), hidden_size / 256; None means no scaling)."""
+    if family != "minicpm3":
+        return {}
+    emb = cfg.get("scale_emb", 12)
+    depth = cfg.get("scale_depth", 1.4)
+    base = cfg.get("dim_model_base", 256)
+    for key, value in (("scale_emb", emb), ("scale_depth", depth), ("dim_model_base", base)):
+        positive = isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        if value is not None and not positive:
+            raise ConfigError(f"config field {key!r} must be a positive number, got {value!r}")
+    values = {
+        "embedding_scale": 1.0 if emb is None else emb,
+        "residual_scale": 1.0 if depth is None else depth / math.sqrt(dims["num_hidden_layers"]),
+        "logits_divisor": 1.0 if base is None else dims["hidden_size"] / base,
+    }
+    return {k: float(v) for k, v in values.items()}

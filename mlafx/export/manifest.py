@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mlafx.config import ModelConfig, YarnScaling
+from mlafx.config import LongRopeScaling, ModelConfig, YarnScaling
 from mlafx.export.isa import missing_cpu_flags
 from mlafx.models.step import CACHE_LAYOUT_VERSION
 
@@ -99,8 +99,13 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     for f in dataclasses.fields(ModelConfig):
         if isinstance(values.get(f.name), list):
             values[f.name] = tuple(values[f.name])
-    if isinstance(values.get("rope_scaling"), dict):
-        values["rope_scaling"] = YarnScaling(**values["rope_scaling"])
+    scaling = values.get("rope_scaling")
+    if isinstance(scaling, dict) and "factors" in scaling:
+        values["rope_scaling"] = LongRopeScaling(
+            factors=tuple(scaling["factors"]), attention_factor=scaling["attention_factor"]
+        )
+    elif isinstance(scaling, dict):
+        values["rope_scaling"] = YarnScaling(**scaling)
     return ModelConfig(**values)
 
 

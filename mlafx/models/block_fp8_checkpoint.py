@@ -34,10 +34,11 @@ from tqdm import tqdm
 
 from mlafx.config.stored_quantization import BlockFp8
 from mlafx.kernels.fp8_format import dequantize_fp8, scale_shape
+from mlafx.models.checkpoint_keys import text_model_tensors
 from mlafx.models.fp8 import Fp8Experts, Fp8Linear
 from mlafx.models.moe import RoutedExperts
 from mlafx.models.packed_int4_checkpoint import CheckpointReader, replace_module
-from mlafx.models.safetensors_file import StoredTensor, tensor_locations
+from mlafx.models.safetensors_file import StoredTensor
 from mlafx.models.weights import WeightLoadError
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ def _fp8_modules(files: list[Path]) -> tuple[dict[str, dict[str, Location]], lis
     parts: dict[str, dict[str, Location]] = {}
     problems = []
     for file in files:
-        for key, stored in tensor_locations(file).items():
+        for key, stored in text_model_tensors(file).items():
             m = _PART.match(key)
             if m is None:
                 continue

@@ -1,4 +1,5 @@
-"""The DeepSeek-V2/V3-family causal LM (also Kimi K2, GLM-4.7-Flash) as one step function.
+"""The DeepSeek-V2/V3-family causal LM (also Kimi K2, GLM-4.7-Flash, MiniCPM3) as one step
+function.
 
 ``forward(input_ids [T], positions [T], caches, meta, logits_indices [S]) -> logits [S, vocab]``
 (DESIGN.md "The step ABI"). Module and parameter names are transformers' in-memory names,
@@ -14,14 +15,15 @@ from torch import nn
 
 from mlafx.config import ModelConfig
 from mlafx.models.attention import MLAttention
-from mlafx.models.layers import RMSNorm, SwiGLU
+from mlafx.models.layers import RMSNorm, SwiGLU, scale_embedding, scale_logits_input
 from mlafx.models.moe import MoE
 from mlafx.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
 from mlafx.models.step import StepMetadata, check_key_rows, key_slots_and_mask
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+    """Pre-norm residual layer: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (each branch
+    times ``residual_scale`` first when the config scales them: MiniCPM3).
 
     ``all_reduce`` is None (no op in the graph) unless ``mlafx.parallel`` made this layer a
     tensor-parallel shard: then the attention and MLP outputs are per-rank partial sums
@@ -31,6 +33,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.residual_scale = cfg.residual_scale
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = MLAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -53,11 +56,14 @@ class DecoderLayer(nn.Module):
         )
         if self.all_reduce is not None:
             attn = self.all_reduce(attn)
-        x = x + attn
+        x = x + self._scaled(attn)
         mlp = self.mlp(self.post_attention_layernorm(x))
         if self.all_reduce is not None:
             mlp = self.all_reduce(mlp)
-        return x + mlp
+        return x + self._scaled(mlp)
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        return branch if self.residual_scale == 1.0 else branch * self.residual_scale
 
 
 class Backbone(nn.Module):
@@ -106,7 +112,9 @@ class MLAForCausalLM(nn.Module):
         key_slots, mask = key_slots_and_mask(meta, positions, caches[0].shape[1])
         cos, sin = rope_cos_sin(positions, self.rope_inv_freq, self.rope_scale)
 
-        x = self.model.embed_tokens(input_ids)
+        cfg = self.config
+        x = scale_embedding(self.model.embed_tokens(input_ids), cfg.embedding_scale)
         for layer, cache in zip(self.model.layers, caches, strict=True):
             x = layer(x, cos, sin, cache, meta.slot_mapping, key_slots, mask)
-        return self.lm_head(self.model.norm(x.index_select(0, logits_indices)))
+        h = self.model.norm(x.index_select(0, logits_indices))
+        return self.lm_head(scale_logits_input(h, cfg.logits_divisor))

@@ -1,4 +1,4 @@
-"""Small building blocks shared by every layer: RMSNorm and the SwiGLU MLP."""
+"""Small building blocks shared by every layer: RMSNorm, the SwiGLU MLP, MiniCPM3's scalings."""
 
 from __future__ import annotations
 
@@ -37,3 +37,17 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def scale_embedding(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x * scale`` with ``scale`` first rounded to x's dtype, as transformers' scaled word
+    embedding multiplies by its scale buffer cast to the weight's dtype (MiniCPM3)."""
+    if scale == 1.0:
+        return x
+    return x * float(torch.tensor(scale, dtype=x.dtype))
+
+
+def scale_logits_input(h: torch.Tensor, divisor: float) -> torch.Tensor:
+    """The final norm's output divided by ``divisor`` before ``lm_head`` (MiniCPM3's
+    ``hidden_size / dim_model_base``)."""
+    return h if divisor == 1.0 else h / divisor

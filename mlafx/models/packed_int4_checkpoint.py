@@ -44,9 +44,10 @@ from mlafx.kernels.quant_format import (
     packed_shape,
     repack_compressed_int4,
 )
+from mlafx.models.checkpoint_keys import text_model_tensors
 from mlafx.models.moe import RoutedExperts
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
-from mlafx.models.safetensors_file import StoredTensor, map_stored, tensor_locations
+from mlafx.models.safetensors_file import StoredTensor, map_stored
 from mlafx.models.weights import WeightLoadError
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ def _group_by_module(files: list[Path]) -> tuple[dict[str, dict[str, tuple]], li
     modules: dict[str, dict[str, tuple[Path, StoredTensor]]] = {}
     problems = []
     for file in files:
-        for key, stored in tensor_locations(file).items():
+        for key, stored in text_model_tensors(file).items():
             m = _PART.match(key)
             if m is None:
                 continue

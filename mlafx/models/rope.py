@@ -3,7 +3,8 @@
 Pairs are interleaved (GPT-J style): dims ``(2i, 2i+1)`` rotate by angle ``pos * inv_freq[i]``,
 and the rotated key is stored in that same interleaved order in the latent cache for every
 family. ``rope_interleave=False`` (a V3/GLM config option) rotates NeoX halves instead
-(``i`` with ``i + R/2``). cos/sin carry the YaRN magnitude ``cos_sin_scale``.
+(``i`` with ``i + R/2``; MiniCPM3 always). cos/sin carry the YaRN or LongRoPE magnitude
+``cos_sin_scale``.
 """
 
 from __future__ import annotations
@@ -12,17 +13,20 @@ import math
 
 import torch
 
-from mlafx.config import ModelConfig
+from mlafx.config import LongRopeScaling, ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[R/2] float32 inverse frequencies; YaRN blends interpolated and extrapolated ones."""
+    """[R/2] float32 inverse frequencies; YaRN blends interpolated and extrapolated ones,
+    LongRoPE divides each by its factor."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     extrapolated = 1.0 / pos_freqs
     yarn = cfg.rope_scaling
     if yarn is None:
         return extrapolated
+    if isinstance(yarn, LongRopeScaling):
+        return 1.0 / (torch.tensor(yarn.factors, dtype=torch.float32) * pos_freqs)
     interpolated = 1.0 / (yarn.factor * pos_freqs)
 
     def correction_dim(num_rotations: float) -> float:

@@ -56,11 +56,11 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from mlafx.models.checkpoint_keys import text_model_tensors
 from mlafx.models.safetensors_file import (
     STORED_DTYPES,
     StoredTensor,
     map_stored,
-    tensor_locations,
 )
 
 logger = logging.getLogger(__name__)
@@ -230,10 +230,11 @@ def _plan(
     skipped_layers = skipped_experts = 0
     for file in files:
         # safe_open checks the header (offsets contiguous, sizes match shapes and dtypes, the
-        # data ends at the end of the file); tensor_locations reads where each tensor's bytes are
-        locations = tensor_locations(file)
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
+        # data ends at the end of the file); text_model_tensors reads where each tensor's bytes
+        # are, by the text model's names (a multimodal wrapper's prefixes and vision tower gone)
+        with safe_open(str(file), framework="pt"):
+            locations = text_model_tensors(file)
+            for key in locations:
                 if key in found:
                     problems.append(f"{key}: duplicate, in both {found[key].name} and {file.name}")
                     continue
