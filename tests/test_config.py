@@ -215,3 +215,44 @@ def test_minicpm3_defaults_scalings_and_longrope():
 def test_bad_minicpm3_configs_are_refused_naming_the_field(overrides, field):
     with pytest.raises(ConfigError, match=re.escape(field)):
         ModelConfig.from_hf_dict(minicpm3_4b(**overrides))
+
+
+@pytest.mark.parametrize("model_type", ["mistral4", "kimi_linear", "hy_v4", "deepseek_v4"])
+def test_other_mla_families_are_refused_with_what_they_need(model_type):
+    from mlafx.config.model_config import UNSUPPORTED_MLA_MODEL_TYPES
+
+    with pytest.raises(ConfigError) as refused:
+        ModelConfig.from_hf_dict(v2_lite(model_type=model_type))
+    message = str(refused.value)
+    assert UNSUPPORTED_MLA_MODEL_TYPES[model_type] in message
+    assert "minicpm3" in message and "longcat_flash" in message and "kimi_k25" in message
+
+
+def test_every_mla_model_type_of_transformers_is_served_or_refused_by_name():
+    """A model folder of transformers whose modelling code has a latent KV (kv_lora_rank) is
+    one mlafx serves or one it refuses with its own reason, never "unknown"."""
+    import pathlib
+
+    import transformers
+
+    from mlafx.config.model_config import (
+        _FAMILIES,
+        _SPARSE_MODEL_TYPES,
+        UNSUPPORTED_MLA_MODEL_TYPES,
+    )
+
+    models = pathlib.Path(transformers.__file__).parent / "models"
+    known = set(_FAMILIES) | set(UNSUPPORTED_MLA_MODEL_TYPES) | _SPARSE_MODEL_TYPES
+    missing = []
+    for modelling in sorted(models.glob("*/modeling_*.py")):
+        if "kv_lora_rank" not in modelling.read_text():
+            continue
+        config = modelling.with_name(modelling.name.replace("modeling_", "configuration_"))
+        types = (
+            re.findall(r'model_type = "([a-z0-9_]+)"', config.read_text())
+            if config.exists()
+            else []
+        )
+        # a multimodal model's vision / audio sub-configs are not language models
+        missing += [t for t in types if t not in known and not re.search("vision|audio", t)]
+    assert not missing, f"MLA model types neither served nor refused by name: {missing}"

@@ -1,11 +1,12 @@
 """The compiled step: one AOTInductor package per layer kind, run for every layer of that kind.
 
     cos, sin = rope_cos_sin(positions)                  (host, as the reference model)
-    x        = embedding(input_ids)                     (host)
-    for each layer i:  x = package[kind(i)](x, positions, cos, sin, caches[i], meta)
+    x        = embedding(input_ids)                     (host; MiniCPM3: times scale_emb)
+    for each layer i:  x = package[kind(i)](x, positions, cos, sin, caches of layer i, meta)
                        (a LayerStep graph: captured, MLA-lowered and compiled once per kind,
                        loaded once per layer with that layer's weights)
-    logits   = linear_packed(rms_norm(x[logits_indices]), lm_head)   (host, one custom op)
+    logits   = linear_packed(rms_norm(x[logits_indices]), lm_head)   (host, one custom op;
+                                                                      MiniCPM3: norm / divisor)
 
 Compile cost is per layer *kind* (DeepSeek: dense and MoE), not per layer, so a 61-layer
 model compiles about as fast as a 2-layer one. Capture, lowering and compilation read the
@@ -174,10 +175,11 @@ def lower_layer(
     lowered graph with the step's dynamic extents. Raises ``LoweringError`` when verification
     fails, unless ``allow_unlowered`` (then the program is the captured layer)."""
     start = time.perf_counter()
-    sample = sample_layer(model, block_size)
+    num_caches = model.model.layers[kind.layers[0]].num_caches
+    sample = sample_layer(model, block_size, num_caches=num_caches)
     captured = capture_layer(model, kind.layers[0], block_size)
     lowering = lower_step_graph(
-        captured.module(), sample, [sample.cache], time.perf_counter() - start
+        captured.module(), sample, sample.caches, time.perf_counter() - start
     )
     if lowering.verify_error is not None and allow_unlowered:
         log.error(
@@ -188,8 +190,9 @@ def lower_layer(
         )
     else:
         _checked(lowering, f"layer kind {kind.name} (layers {list(kind.layers)})")
-    args = sample.args([sample.cache])
-    return LoweredGraph(_export(lowering.graph, args, layer_dynamic_shapes()), lowering, args)
+    args = sample.args(sample.caches)
+    dynamic = layer_dynamic_shapes(num_caches)
+    return LoweredGraph(_export(lowering.graph, args, dynamic), lowering, args)
 
 
 def lower_step(model: MLAForCausalLM, block_size: int) -> LoweredGraph:
@@ -202,7 +205,7 @@ def lower_step(model: MLAForCausalLM, block_size: int) -> LoweredGraph:
     lowering = lower_step_graph(captured.module(), sample, caches, time.perf_counter() - start)
     _checked(lowering, "the step")
     args = sample.args(caches)
-    program = _export(lowering.graph, args, step_dynamic_shapes(model.config.num_hidden_layers))
+    program = _export(lowering.graph, args, step_dynamic_shapes(model.config.num_cache_layers))
     return LoweredGraph(program, lowering, args)
 
 
@@ -340,6 +343,8 @@ class CompiledStep:
         self.compile_seconds = 0.0  # set by compile_step
         kinds = kind_of_layers([p.kind for p in packages], config.num_hidden_layers)
         self.layers: list[PackageRunner] = []
+        # caches each layer's package takes (one per MLA block: LongCat-Flash's layers two)
+        self.layer_caches = [config.attention_blocks] * config.num_hidden_layers
         for layer, kind in enumerate(kinds):
             own = layer_constants(constants, layer)
             runner = load_aoti_package(packages[kind].package, own)
@@ -393,8 +398,11 @@ class CompiledStep:
         meta_leaves = [getattr(meta, f.name) for f in fields(meta)]
         cfg = self.config
         x = scale_embedding(F.embedding(input_ids, self.embedding), cfg.embedding_scale)
-        for runner, cache in zip(self.layers, caches, strict=True):
-            (x,) = runner.run_flat([x, positions, cos, sin, cache, *meta_leaves])
+        start = 0
+        for runner, num_caches in zip(self.layers, self.layer_caches, strict=True):
+            own = caches[start : start + num_caches]
+            start += num_caches
+            (x,) = runner.run_flat([x, positions, cos, sin, *own, *meta_leaves])
         h = rms_norm(x.index_select(0, logits_indices), self.final_norm, cfg.rms_norm_eps)
         h = scale_logits_input(h, cfg.logits_divisor)
         if self.lm_head_qweight is not None:

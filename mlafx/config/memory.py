@@ -43,18 +43,22 @@ def parameter_kinds(cfg: ModelConfig) -> dict[str, int]:
     else:
         q = d * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim
     layers = cfg.num_hidden_layers
+    blocks = cfg.num_cache_layers  # MLA blocks (LongCat-Flash: two per layer)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(layers))
+    # dense MLPs: one per dense layer; LongCat-Flash: one per MLA block besides its MoE
+    n_dense = blocks if cfg.shortcut_moe else layers - n_moe
     per_expert = 3 * d * cfg.moe_intermediate_size
-    norms = layers * (2 * d + cfg.kv_lora_rank + (cfg.q_lora_rank or 0)) + d
+    norms = blocks * (2 * d + cfg.kv_lora_rank + (cfg.q_lora_rank or 0)) + d
+    choices = cfg.num_router_choices
     return {
-        "attention": layers * (q + d * cfg.latent_width + h * cfg.v_head_dim * d),
-        "kv_b": layers * cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-        "dense_mlp": (layers - n_moe) * 3 * d * cfg.intermediate_size,
+        "attention": blocks * (q + d * cfg.latent_width + h * cfg.v_head_dim * d),
+        "kv_b": blocks * cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+        "dense_mlp": n_dense * 3 * d * cfg.intermediate_size,
         "shared_experts": n_moe * per_expert * cfg.n_shared_experts,
         "routed_experts": n_moe * per_expert * cfg.n_routed_experts,
         "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * d,
         "kept": cfg.vocab_size * d + norms,
-        "fp32": n_moe * (cfg.n_routed_experts * d + cfg.n_routed_experts),
+        "fp32": n_moe * (choices * d + choices),
     }
 
 
@@ -100,8 +104,8 @@ def weight_bytes(
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
-    """One latent row (Lkv + R) per layer."""
-    return cfg.num_hidden_layers * cfg.latent_width * dtype_bytes(dtype)
+    """One latent row (Lkv + R) per MLA block (per layer; LongCat-Flash: two per layer)."""
+    return cfg.num_cache_layers * cfg.latent_width * dtype_bytes(dtype)
 
 
 def available_memory_bytes() -> int:

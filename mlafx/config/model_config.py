@@ -34,6 +34,37 @@ _FAMILIES = {
     "kimi_k2": "deepseek_v3",
     "glm4_moe_lite": "glm4_moe_lite",
     "minicpm3": "minicpm3",
+    "longcat_flash": "longcat_flash",
+    # transformers runs these with DeepSeek-V3's modelling code (config names aside)
+    "sarvam_mla": "deepseek_v3",
+    "youtu": "deepseek_v3",  # every layer a dense MLP, tied embeddings by default
+}
+# transformers' MLA model types mlafx cannot serve yet, and what each needs (a model type not
+# listed anywhere is refused as unknown).
+UNSUPPORTED_MLA_MODEL_TYPES = {
+    "mistral4": "a position-dependent query scale (rope_parameters.llama_4_scaling_beta) and "
+    "a router without fp32 upcast",
+    "axk1": "an RMSNorm on the MoE output (post_mlp_layernorm)",
+    "axk2": "a fused q + output-gate projection, gated RMSNorms and DSA sparse attention",
+    "dots3_note": "latent scalings, a k_rope norm, per-head output gates, sliding-window layers "
+    "and DSA sparse attention",
+    "dots3_note_text": "latent scalings, a k_rope norm, per-head output gates, sliding-window "
+    "layers and DSA sparse attention",
+    "hy_v4": "attention output gates, attention sinks, hyper-connection residual streams and "
+    "DSA sparse attention",
+    "hy_v4_vl": "attention output gates, attention sinks, hyper-connection residual streams and "
+    "DSA sparse attention",
+    "hy_v4_vl_text": "attention output gates, attention sinks, hyper-connection residual streams "
+    "and DSA sparse attention",
+    "mistral_large4": "NoPE layers, shared latent KV across layers, learned RoPE and query "
+    "scalings, logit softcapping and DSA sparse attention",
+    "mistral_large4_text": "NoPE layers, shared latent KV across layers, learned RoPE and query "
+    "scalings, logit softcapping and DSA sparse attention",
+    "bailing_hybrid": "KDA linear-attention layers (a hybrid: 5 of 6 layers are not MLA)",
+    "glm5_next": "KDA linear-attention layers, hyper-connections and a pooled DSA indexer",
+    "glm5_next_text": "KDA linear-attention layers, hyper-connections and a pooled DSA indexer",
+    "kimi_linear": "KDA linear-attention layers (a hybrid: 3 of 4 layers are not MLA)",
+    "deepseek_v4": "compressed sparse attention, sliding windows, sinks, mHC and hash MoE",
 }
 # Sparse-attention (DSA) model types: same latent cache, but an indexer picks the keys.
 _SPARSE_MODEL_TYPES = {"deepseek_v32", "glm_moe_dsa", "glm5"}
@@ -44,10 +75,11 @@ _ROUTER_DEFAULTS = {
     "deepseek_v3": ("sigmoid", "noaux_tc"),
     "glm4_moe_lite": ("sigmoid", "noaux_tc"),
     "minicpm3": ("softmax", "greedy"),  # dense: no router
+    "longcat_flash": ("softmax", "noaux_tc"),  # one group: top-k of scores + correction bias
 }
 # What each family's transformers config assumes when config.json is silent (a hub config may
 # rely on them): tied embeddings, RoPE pairs (interleaved) or NeoX halves.
-_TIE_DEFAULTS = {"minicpm3": True}
+_TIE_DEFAULTS = {"minicpm3": True, "youtu": True}  # by model_type
 # Families whose modelling code fixes the RoPE layout whatever config.json says: MiniCPM3
 # rotates NeoX halves (Llama's ``apply_rotary_pos_emb``).
 _FIXED_ROPE_INTERLEAVE = {"minicpm3": False}
@@ -190,6 +222,11 @@ class ModelConfig:
     embedding_scale: float = 1.0
     residual_scale: float = 1.0
     logits_divisor: float = 1.0
+    # LongCat-Flash: two MLA blocks per decoder layer (each its own latent cache layer) and
+    # ``n_zero_experts`` identity experts among the router's choices (1 and 0 elsewhere)
+    attention_blocks: int = 1
+    n_zero_experts: int = 0
+    router_bias: bool = False
 
     # ----- derived quantities (never stored twice) -----
     @property
@@ -210,6 +247,32 @@ class ModelConfig:
             m = yarn_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim)
             scale *= m * m
         return scale
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Latent caches: one per MLA block (``attention_blocks`` per decoder layer)."""
+        return self.num_hidden_layers * self.attention_blocks
+
+    @property
+    def num_router_choices(self) -> int:
+        """Experts the router scores: the routed ones, then the zero (identity) experts."""
+        return self.n_routed_experts + self.n_zero_experts
+
+    @property
+    def shortcut_moe(self) -> bool:
+        """LongCat-Flash's layer: two attention + dense-MLP blocks, and the MoE of the first
+        block's normed output added at the end (``models/longcat.py``)."""
+        return self.family == "longcat_flash"
+
+    @property
+    def mla_q_scale(self) -> float:
+        """LongCat-Flash scales q by ``sqrt(D / Lq)`` (1 elsewhere)."""
+        return (self.hidden_size / self.q_lora_rank) ** 0.5 if self.shortcut_moe else 1.0
+
+    @property
+    def mla_latent_scale(self) -> float:
+        """LongCat-Flash scales the normed latent (what the cache holds) by ``sqrt(D / Lkv)``."""
+        return (self.hidden_size / self.kv_lora_rank) ** 0.5 if self.shortcut_moe else 1.0
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.mlp_layer_types[layer] == "sparse"
@@ -308,6 +371,15 @@ _READ_KEYS = {
     "scale_emb",
     "scale_depth",
     "dim_model_base",
+    "num_layers",
+    "ffn_hidden_size",
+    "expert_ffn_hidden_size",
+    "moe_topk",
+    "zero_expert_num",
+    "router_bias",
+    "num_experts",
+    "num_shared_experts",
+    "q_head_dim",
 }
 
 
@@ -433,17 +505,28 @@ def _mlp_layer_types(cfg: dict[str, Any], num_layers: int, moe: bool) -> tuple[s
 
 def _parse(cfg: dict[str, Any]) -> ModelConfig:
     model_type = cfg.get("model_type")
-    if model_type in _SPARSE_MODEL_TYPES or cfg.get("index_topk") is not None:
+    sparse = model_type in _SPARSE_MODEL_TYPES or cfg.get("index_topk") is not None
+    if sparse and model_type not in UNSUPPORTED_MLA_MODEL_TYPES:
         raise ConfigError(
             f"model_type {model_type!r} uses DSA sparse attention (config field 'index_topk'), "
             "which mlafx does not support yet"
         )
+    if model_type in UNSUPPORTED_MLA_MODEL_TYPES:
+        raise ConfigError(
+            f"config field 'model_type'={model_type!r} is an MLA model mlafx does not serve yet: "
+            f"it needs {UNSUPPORTED_MLA_MODEL_TYPES[model_type]}; supported: {_supported()}"
+        )
     if model_type not in _FAMILIES:
         raise ConfigError(
-            f"unknown config field 'model_type'={model_type!r}; supported: "
-            f"{', '.join(sorted(_FAMILIES))}"
+            f"unknown config field 'model_type'={model_type!r}; supported: {_supported()}"
         )
     family = _FAMILIES[model_type]
+    if model_type == "sarvam_mla":
+        cfg = _renamed(
+            cfg, {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts"}
+        )
+    if family == "longcat_flash":
+        cfg = _longcat_keys(cfg)
     if family == "minicpm3" and cfg.get("v_head_dim") is None:  # transformers' default
         cfg = {
             **cfg,
@@ -489,14 +572,18 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
     moe = n_routed > 0
     if n_routed < 0:
         raise ConfigError(f"config field 'n_routed_experts' must be >= 0, got {n_routed}")
+    n_zero = int(cfg.get("zero_expert_num") or 0) if family == "longcat_flash" else 0
+    if n_zero < 0:
+        raise ConfigError(f"config field 'zero_expert_num' must be >= 0, got {n_zero}")
+    choices = n_routed + n_zero  # what the router scores
     top_k = int(cfg.get("num_experts_per_tok") or 0) if moe else 0
     moe_inter = int(cfg.get("moe_intermediate_size") or 0) if moe else 0
     n_shared = int(cfg.get("n_shared_experts") or 0) if moe else 0
     if moe:
-        if top_k <= 0 or top_k > n_routed:
+        if top_k <= 0 or top_k > choices:
             raise ConfigError(
                 f"config field 'num_experts_per_tok'={cfg.get('num_experts_per_tok')} must be in "
-                f"1..n_routed_experts={n_routed}"
+                f"1..{choices} (the experts the router scores)"
             )
         if moe_inter <= 0:
             raise ConfigError("config field 'moe_intermediate_size' must be a positive integer")
@@ -515,15 +602,15 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
     n_group = int(cfg.get("n_group") or 1)
     topk_group = int(cfg.get("topk_group") or n_group)
     if moe:
-        if n_group <= 0 or n_routed % n_group:
+        if n_group <= 0 or choices % n_group:
             raise ConfigError(
-                f"config field 'n_group'={n_group} must divide n_routed_experts={n_routed}"
+                f"config field 'n_group'={n_group} must divide n_routed_experts={choices}"
             )
         if not 1 <= topk_group <= n_group:
             raise ConfigError(f"config field 'topk_group'={topk_group} must be in 1..n_group")
-        if method == "noaux_tc" and n_routed // n_group < 2:
+        if method == "noaux_tc" and choices // n_group < 2:
             raise ConfigError("topk_method noaux_tc needs at least 2 experts per group (n_group)")
-        if top_k > (n_routed // n_group) * topk_group:
+        if top_k > (choices // n_group) * topk_group:
             raise ConfigError(
                 f"config field 'num_experts_per_tok'={top_k} exceeds the experts in the "
                 f"topk_group={topk_group} selected groups"
@@ -560,13 +647,85 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
         rope_scaling=yarn,
         # DeepSeek-V2 is always interleaved; V3/GLM configs may switch to NeoX halves.
         rope_interleave=_FIXED_ROPE_INTERLEAVE.get(family, bool(cfg.get("rope_interleave", True))),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", _TIE_DEFAULTS.get(family, False))),
+        tie_word_embeddings=bool(
+            cfg.get("tie_word_embeddings", _TIE_DEFAULTS.get(model_type, False))
+        ),
         attention_bias=bool(cfg.get("attention_bias", False)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
+        attention_blocks=2 if family == "longcat_flash" else 1,
+        n_zero_experts=n_zero,
+        router_bias=bool(cfg.get("router_bias", False)) and family == "longcat_flash",
         **_scalings(cfg, family, dims),
         **dims,
     )
+
+
+def _supported() -> str:
+    families = ", ".join(sorted(_FAMILIES))
+    return f"{families} (or one of them in a wrapper's text_config, as kimi_k25's)"
+
+
+def _renamed(cfg: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``cfg`` with each key of ``names`` also under its new name (transformers'
+    ``attribute_map``), unless the config already has the new one."""
+    out = dict(cfg)
+    for old, new in names.items():
+        if old in cfg and new not in cfg:
+            out[new] = cfg[old]
+    return out
+
+
+# LongCat-Flash's config names -> the names _parse reads (transformers' attribute_map)
+_LONGCAT_RENAMES = {
+    "num_layers": "num_hidden_layers",
+    "ffn_hidden_size": "intermediate_size",
+    "expert_ffn_hidden_size": "moe_intermediate_size",
+    "moe_topk": "num_experts_per_tok",
+}
+
+
+def _longcat_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A ``longcat_flash`` config in the DeepSeek terms ``_parse`` reads: ``num_layers``
+    decoder layers of two MLA blocks each (``num_hidden_layers`` here counts decoder layers;
+    ``ModelConfig.num_cache_layers`` the blocks), every layer with its shortcut MoE, the router
+    a softmax over routed + zero experts, chosen with the correction bias (noaux_tc in one
+    group), no renormalisation, no shared experts; RoPE theta 1e7 when the config has none."""
+    hidden, layers = cfg.get("num_hidden_layers"), cfg.get("num_layers")
+    if hidden is not None and (not isinstance(layers, int) or hidden != 2 * layers):
+        raise ConfigError(
+            f"config field 'num_hidden_layers'={hidden}: LongCat-Flash counts its decoder layers "
+            f"in 'num_layers' ({layers!r}); num_hidden_layers is always twice that"
+        )
+    head_dim, rope_dim = cfg.get("head_dim"), cfg.get("qk_rope_head_dim")
+    if head_dim is not None and head_dim != rope_dim:  # transformers' RoPE width is head_dim
+        raise ConfigError(
+            f"config field 'head_dim'={head_dim} must equal qk_rope_head_dim={rope_dim} "
+            "(LongCat-Flash's rotary embedding is head_dim wide)"
+        )
+    out = dict(cfg)
+    for key in ("num_hidden_layers", "intermediate_size", "moe_intermediate_size"):
+        out.pop(key, None)  # transformers derives them; num_layers etc. are the config's own
+    for longcat, ours in _LONGCAT_RENAMES.items():
+        if longcat in cfg:
+            out[ours] = cfg[longcat]
+    for key, value in (
+        ("scoring_func", "softmax"),
+        ("topk_method", "noaux_tc"),
+        ("n_group", 1),
+        ("topk_group", 1),
+        ("norm_topk_prob", False),
+        ("n_shared_experts", 0),
+        ("first_k_dense_replace", 0),
+    ):
+        if cfg.get(key) not in (None, value):
+            raise ConfigError(f"config field {key!r}={cfg[key]!r}: LongCat-Flash's is {value!r}")
+        out[key] = value
+    out["mlp_layer_types"] = ["sparse"] * int(_positive_int(out, "num_hidden_layers"))
+    params = out.get("rope_parameters") or out.get("rope_scaling") or {}
+    if "rope_theta" not in out and not (isinstance(params, dict) and "rope_theta" in params):
+        out["rope_theta"] = 10000000.0  # LongcatFlashConfig.default_theta
+    return out
 
 
 def _scalings(cfg: dict[str, Any], family: str, dims: dict[str, int]) -> dict[str, float]:

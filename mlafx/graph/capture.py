@@ -35,7 +35,7 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 
 from mlafx.models.attention_path import AttentionPath
-from mlafx.models.deepseek import DecoderLayer, MLAForCausalLM
+from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.fp8 import Fp8Experts, Fp8Linear
 from mlafx.models.moe import RoutedExperts
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
@@ -129,15 +129,15 @@ def step_dynamic_shapes(num_layers: int) -> dict[str, object]:
     }
 
 
-def layer_dynamic_shapes() -> dict[str, object]:
-    """:class:`LayerStep`'s inputs: the step's extents, one cache."""
+def layer_dynamic_shapes(num_caches: int) -> dict[str, object]:
+    """:class:`LayerStep`'s inputs: the step's extents, the layer's caches."""
     t = Dim("T")
     return {
         "x": {0: t},
         "positions": {0: t},
         "cos": {0: t},
         "sin": {0: t},
-        "cache": {0: Dim("NB")},
+        "caches": [{0: Dim("NB")}] * num_caches,
         "meta": _meta_dynamic_shapes(t),
     }
 
@@ -146,13 +146,13 @@ class LayerStep(nn.Module):
     """One decoder layer as a step function, the unit the compiler captures once per layer
     kind (layers of one kind share the graph and each runs it with its own weights):
 
-        (x [T, D], positions [T], cos, sin [T, R/2] float32, cache [NB, BS, Lkv+R] (mutated),
-         meta) -> x [T, D]
+        (x [T, D], positions [T], cos, sin [T, R/2] float32,
+         caches: one [NB, BS, Lkv+R] per MLA block of the layer (mutated), meta) -> x [T, D]
 
     The key slots and the mask the reference attention reads are derived from ``meta`` here,
     as the whole model's forward derives them once per step (dead code once lowered)."""
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: nn.Module) -> None:  # a DecoderLayer or LongcatDecoderLayer
         super().__init__()
         self.layer = layer
 
@@ -162,11 +162,11 @@ class LayerStep(nn.Module):
         positions: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: torch.Tensor,
+        caches: list[torch.Tensor],
         meta: StepMetadata,
     ) -> torch.Tensor:
-        key_slots, mask = key_slots_and_mask(meta, positions, cache.shape[1])
-        return self.layer(x, cos, sin, cache, meta.slot_mapping, key_slots, mask)
+        key_slots, mask = key_slots_and_mask(meta, positions, caches[0].shape[1])
+        return self.layer(x, cos, sin, caches, meta.slot_mapping, key_slots, mask)
 
 
 LAYER_PREFIX = "layer."  # LayerStep's parameter names are the decoder layer's, behind this
@@ -180,35 +180,38 @@ class LayerSample:
     x: torch.Tensor  # [T, D] model dtype
     cos: torch.Tensor
     sin: torch.Tensor
-    cache: torch.Tensor  # zeroed, just large enough for the sample step
+    caches: list[torch.Tensor]  # zeroed, one per MLA block, just large enough for the sample
 
     @property
     def meta(self) -> StepMetadata:
         return self.step.meta
 
     def args(self, caches: list[torch.Tensor]) -> tuple:
-        """:class:`LayerStep`'s arguments around its one cache (``caches == [cache]``)."""
-        (cache,) = caches
-        return (self.x, self.step.positions, self.cos, self.sin, cache, self.step.meta)
+        """:class:`LayerStep`'s arguments around the layer's caches."""
+        return (self.x, self.step.positions, self.cos, self.sin, list(caches), self.step.meta)
 
 
-def sample_layer(model: MLAForCausalLM, block_size: int, seed: int = 0) -> LayerSample:
+def sample_layer(
+    model: MLAForCausalLM, block_size: int, seed: int = 0, num_caches: int = 1
+) -> LayerSample:
     cfg = model.config
     dtype = model.dtype
     step = sample_step_inputs(block_size, cfg.vocab_size)
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(len(step.positions), cfg.hidden_size, generator=generator).to(dtype)
     cos, sin = rope_cos_sin(step.positions, model.rope_inv_freq, model.rope_scale)
-    cache = torch.zeros(num_sample_blocks(block_size), block_size, cfg.latent_width, dtype=dtype)
-    return LayerSample(step, x, cos, sin, cache)
+    shape = (num_sample_blocks(block_size), block_size, cfg.latent_width)
+    caches = [torch.zeros(shape, dtype=dtype) for _ in range(num_caches)]
+    return LayerSample(step, x, cos, sin, caches)
 
 
 def capture_layer(model: MLAForCausalLM, layer: int, block_size: int) -> ExportedProgram:
     """Decoder layer ``layer`` of ``model`` as a :class:`LayerStep` ExportedProgram (its
     weights are the layer's own tensors: nothing is copied)."""
-    sample = sample_layer(model, block_size)
-    module = LayerStep(model.model.layers[layer])
-    return _export(module, sample.args([sample.cache]), layer_dynamic_shapes())
+    decoder_layer = model.model.layers[layer]
+    sample = sample_layer(model, block_size, num_caches=decoder_layer.num_caches)
+    module = LayerStep(decoder_layer)
+    return _export(module, sample.args(sample.caches), layer_dynamic_shapes(len(sample.caches)))
 
 
 def _export(module: nn.Module, args: tuple, dynamic_shapes: object) -> ExportedProgram:
@@ -283,7 +286,7 @@ def sample_step(model: MLAForCausalLM, block_size: int) -> tuple[StepInputs, lis
     dtype = model.dtype
     caches = [
         torch.zeros(num_sample_blocks(block_size), block_size, cfg.latent_width, dtype=dtype)
-        for _ in range(cfg.num_hidden_layers)
+        for _ in range(cfg.num_cache_layers)
     ]
     return sample_step_inputs(block_size, cfg.vocab_size), caches
 
@@ -291,5 +294,5 @@ def sample_step(model: MLAForCausalLM, block_size: int) -> tuple[StepInputs, lis
 def capture_step(model: MLAForCausalLM, block_size: int) -> ExportedProgram:
     """The model's step as an ExportedProgram (pre-dispatch ATen IR, dynamic extents)."""
     sample, caches = sample_step(model, block_size)
-    dynamic = step_dynamic_shapes(model.config.num_hidden_layers)
+    dynamic = step_dynamic_shapes(model.config.num_cache_layers)
     return _export(model, sample.args(caches), dynamic)

@@ -7,6 +7,7 @@ P = qk_nope_head_dim, V = v_head_dim, Lq = q_lora_rank. ``W_kvb = kv_b_proj.weig
     q            = q_proj(x)  or  q_b_proj(q_a_layernorm(q_a_proj(x)))      [T, H, P+R]
     kv_c | k_pe  = kv_a_proj_with_mqa(x)                                   [T, Lkv | R]
     kv_c         = kv_a_layernorm(kv_c);  q_pe, k_pe = rope(q_pe), rope(k_pe)
+                   (LongCat-Flash: q * sqrt(D/Lq) and kv_c * sqrt(D/Lkv) before that)
     cache[slot]  = [kv_c | k_pe]           (index_copy_ into the paged cache, one row per token)
     rows         = cache[key slots]        (every row any query of the step may see)  [K, Lkv+R]
     k_nope | v   = kv_b_proj(rows[:, :Lkv])                                [K, H, P | V]
@@ -73,6 +74,10 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(num_tokens, h, p + r).split([p, r], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([lkv, r], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
+        if cfg.mla_q_scale != 1.0:
+            q_nope, q_pe = q_nope * cfg.mla_q_scale, q_pe * cfg.mla_q_scale
+        if cfg.mla_latent_scale != 1.0:
+            kv_c = kv_c * cfg.mla_latent_scale
         q_pe = apply_rope(q_pe, cos, sin, cfg.rope_interleave)
         k_pe = apply_rope(k_pe, cos, sin, cfg.rope_interleave)
 

@@ -16,6 +16,7 @@ from torch import nn
 from mlafx.config import ModelConfig
 from mlafx.models.attention import MLAttention
 from mlafx.models.layers import RMSNorm, SwiGLU, scale_embedding, scale_logits_input
+from mlafx.models.longcat import LongcatDecoderLayer
 from mlafx.models.moe import MoE
 from mlafx.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
 from mlafx.models.step import StepMetadata, check_key_rows, key_slots_and_mask
@@ -29,6 +30,8 @@ class DecoderLayer(nn.Module):
     tensor-parallel shard: then the attention and MLP outputs are per-rank partial sums
     (row-parallel ``o_proj`` / ``down_proj``) and ``all_reduce`` sums them over the ranks.
     """
+
+    num_caches = 1  # latent caches the layer reads and writes (one MLA block)
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -46,11 +49,12 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        cache: torch.Tensor,
+        caches: list[torch.Tensor],  # [cache [NB, BS, Lkv+R]], mutated
         slot_mapping: torch.Tensor,
         key_slots: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
+        (cache,) = caches
         attn = self.self_attn(
             self.input_layernorm(x), cos, sin, cache, slot_mapping, key_slots, mask
         )
@@ -71,8 +75,9 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        layer_type = LongcatDecoderLayer if cfg.shortcut_moe else DecoderLayer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_type(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -103,7 +108,7 @@ class MLAForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
-        caches: list[torch.Tensor],  # per layer [NB, BS, Lkv+R], written in place
+        caches: list[torch.Tensor],  # per MLA block [NB, BS, Lkv+R], written in place
         meta: StepMetadata,
         logits_indices: torch.Tensor,  # [S] int64: the tokens whose next token is sampled
     ) -> torch.Tensor:  # [S, vocab]
@@ -114,7 +119,18 @@ class MLAForCausalLM(nn.Module):
 
         cfg = self.config
         x = scale_embedding(self.model.embed_tokens(input_ids), cfg.embedding_scale)
-        for layer, cache in zip(self.model.layers, caches, strict=True):
-            x = layer(x, cos, sin, cache, meta.slot_mapping, key_slots, mask)
+        for layer, own in zip(self.model.layers, caches_by_layer(self, caches), strict=True):
+            x = layer(x, cos, sin, own, meta.slot_mapping, key_slots, mask)
         h = self.model.norm(x.index_select(0, logits_indices))
         return self.lm_head(scale_logits_input(h, cfg.logits_divisor))
+
+
+def caches_by_layer(model: MLAForCausalLM, caches: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The step's caches (one per MLA block, in model order) grouped by decoder layer."""
+    groups, start = [], 0
+    for layer in model.model.layers:
+        groups.append(caches[start : start + layer.num_caches])
+        start += layer.num_caches
+    if start != len(caches):
+        raise ValueError(f"{len(caches)} caches for {start} MLA blocks")
+    return groups

@@ -1,4 +1,5 @@
-"""Serve a ``transformers`` DeepSeek-V2/V3-family model object with mlafx's own model.
+"""Serve a ``transformers`` MLA model object (DeepSeek-V2/V3 family, GLM-4.7-Flash, MiniCPM3,
+LongCat-Flash, Kimi K2.5's language model) with mlafx's own model.
 
 mlafx's plain model keeps transformers' in-memory parameter names and layouts (experts
 fused as ``gate_up_proj``/``down_proj``), so the object's tensors are adopted as they are —
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from mlafx.config import ModelConfig
+from mlafx.models.checkpoint_keys import text_model_key
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.moe import Router
 
@@ -33,7 +35,13 @@ def model_from_transformers(
             f"expected a transformers model with a .config, got {type(hf_model).__name__}"
         )
     cfg = ModelConfig.from_hf_dict(config.to_dict(), hf_overrides)
-    state = hf_model.state_dict()
+    # a multimodal wrapper's (Kimi K2.5's) language model by the text model's names; its
+    # vision tower and projector are left out
+    state = {
+        text_model_key(name): tensor
+        for name, tensor in hf_model.state_dict().items()
+        if text_model_key(name) is not None
+    }
     with torch.device("meta"):
         model = MLAForCausalLM(cfg)
     wanted = set(model.state_dict())

@@ -30,19 +30,23 @@ class Router(nn.Module):
         self.cfg = cfg
         # Kept in float32 whatever the model dtype (as transformers does): routing decisions
         # are discontinuous, so a bf16 router would pick different experts.
-        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        self.weight = nn.Parameter(torch.zeros(cfg.num_router_choices, cfg.hidden_size))
         if cfg.topk_method == "noaux_tc":
-            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_router_choices))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, choices] float32."""
+        # the weight is float32 itself (loaders keep it so), so the compiler lowers this
+        # linear like the others: onto the packed-weight kernel, batch-invariant when asked
+        return F.linear(x.to(torch.float32), self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (topk_ids [T, k] int64, topk_weights [T, k] float32)."""
         cfg = self.cfg
-        # the weight is float32 itself (loaders keep it so), so the compiler lowers this
-        # linear like the others: onto the packed-weight kernel, batch-invariant when asked
-        logits = F.linear(x.to(torch.float32), self.weight)
+        logits = self.logits(x)
         scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
         num_tokens = scores.shape[0]
-        per_group = cfg.n_routed_experts // cfg.n_group
+        per_group = cfg.num_router_choices // cfg.n_group
         if cfg.topk_method == "greedy":
             weights, ids = torch.topk(scores, cfg.num_experts_per_tok, dim=-1, sorted=False)
         else:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mlafx.models.deepseek import DecoderLayer
+from mlafx.models.longcat import LongcatDecoderLayer
 
 
 @torch.library.custom_op("mlafx_tp::all_reduce_sum", mutates_args=())
@@ -33,7 +34,7 @@ def _all_reduce_sum_fake(x: torch.Tensor) -> torch.Tensor:
 def install_all_reduce(model: nn.Module) -> int:
     """Make every decoder layer of a shard model sum its attention and MLP outputs over the
     ranks; returns the number of layers."""
-    layers = [m for m in model.modules() if isinstance(m, DecoderLayer)]
+    layers = [m for m in model.modules() if isinstance(m, DecoderLayer | LongcatDecoderLayer)]
     for layer in layers:
         layer.all_reduce = torch.ops.mlafx_tp.all_reduce_sum
     return len(layers)

@@ -14,6 +14,8 @@ Rank r of N holds (every split is a contiguous 1/N slice, rank r's being the r-t
     routed      experts.gate_up_proj       [E, 2I, D]     gate rows and up rows, each sliced
     experts     experts.down_proj          [E, D, I]      the intermediate axis
                 gate.weight (router)       [E, D]         replicated: every rank routes alike
+    LongCat-Flash: the same per MLA block (``self_attn.{0,1}``) and dense MLP (``mlps.{0,1}``);
+                its zero experts' identity term is added after the sum (every rank has it)
     replicated  embed_tokens, lm_head (not split by vocabulary), the norms
 
 Every expert is split across the ranks by its intermediate width (each rank computes 1/N of
@@ -46,7 +48,9 @@ def check_shardable(cfg: ModelConfig, world_size: int) -> None:
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {world_size}")
     has_moe = any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    has_dense = not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    has_dense = cfg.shortcut_moe or not all(
+        cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)
+    )
     widths = {"num_attention_heads": cfg.num_attention_heads}
     if has_dense:
         widths["intermediate_size"] = cfg.intermediate_size
@@ -76,15 +80,15 @@ _ROWS, _COLS = 0, 1
 _SPLITS: tuple[tuple[re.Pattern[str], int], ...] = tuple(
     (re.compile(pattern), axis)
     for pattern, axis in (
-        (r"\.self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight$", _ROWS),
-        (r"\.self_attn\.o_proj\.weight$", _COLS),
-        (r"\.mlp\.(shared_experts\.)?(gate_proj|up_proj)\.weight$", _ROWS),
-        (r"\.mlp\.(shared_experts\.)?down_proj\.weight$", _COLS),
+        (r"\.self_attn(\.\d+)?\.(q_proj|q_b_proj|kv_b_proj)\.weight$", _ROWS),
+        (r"\.self_attn(\.\d+)?\.o_proj\.weight$", _COLS),
+        (r"\.(mlp|mlps\.\d+)\.(shared_experts\.)?(gate_proj|up_proj)\.weight$", _ROWS),
+        (r"\.(mlp|mlps\.\d+)\.(shared_experts\.)?down_proj\.weight$", _COLS),
         (r"\.mlp\.experts\.down_proj$", 2),
     )
 )
 _GATE_UP = re.compile(r"\.mlp\.experts\.gate_up_proj$")
-_ROW_PARALLEL_BIAS = re.compile(r"\.self_attn\.o_proj\.bias$")
+_ROW_PARALLEL_BIAS = re.compile(r"\.self_attn(\.\d+)?\.o_proj\.bias$")
 
 
 def shard_tensor(name: str, full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -93,7 +93,7 @@ class _Rank:
                 spec.config.latent_width,
                 dtype=torch_dtype(spec.dtype),
             )
-            for _ in range(spec.config.num_hidden_layers)
+            for _ in range(spec.config.num_cache_layers)
         ]
 
     def compile(self) -> float:
