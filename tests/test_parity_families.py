@@ -332,3 +332,23 @@ def test_artifacts_serve_the_compiled_engines_tokens(name, format, tmp_path):
             for t, x, y in zip(tokens, a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True)
         ]
         assert max(diffs) <= (0.0 if format == "aoti" else 1e-4)
+
+
+def test_a_kv_store_reload_serves_longcat_flash_like_transformers(tmp_path):
+    """A second engine loads a prompt's two caches per layer from a disk KV store written by
+    the first (256-token chunks: the prompt is longer), and still serves transformers' tokens."""
+    reference = make_checkpoint("longcat_flash", tmp_path / "checkpoint")
+    prompt = [(7 * i + 3) % 151 for i in range(270)]
+    options = dict(dtype="float32", block_size=4, num_kv_blocks=160, progress=False,
+                   compile=False, hf_overrides={"max_position_embeddings": 512})  # fmt: skip
+    store = f"disk:{tmp_path / 'store'}"
+    params = mlafx.SamplingParams(max_tokens=NEW_TOKENS, logprobs=1)
+    writer = mlafx.LLM(str(tmp_path / "checkpoint"), kv_connector=store, **options)
+    writer.generate([prompt], params)
+    reader = mlafx.LLM(str(tmp_path / "checkpoint"), kv_connector=store, **options)
+    (out,) = reader.generate([prompt], params)
+    assert reader.get_metrics()["external_hit_tokens"] >= 256
+    want, want_logprobs = transformers_greedy(reference, prompt, NEW_TOKENS)
+    got = out.outputs[0]
+    got_logprobs = [lp[t] for t, lp in zip(got.token_ids, got.logprobs, strict=True)]
+    compare_greedy(want, want_logprobs, got.token_ids, got_logprobs, label="longcat store")

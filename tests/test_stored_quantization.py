@@ -291,3 +291,32 @@ def test_a_packed_checkpoint_with_a_missing_part_names_it(tmp_path):
     message = str(info.value)
     assert "experts.3.up_proj.weight_scale: missing" in message
     assert "expert linears are not (first: model.layers.1.mlp.experts.5.down_proj)" in message
+
+
+def test_a_kimi_k25_wrapped_packed_checkpoint_serves_its_language_model(tmp_path):
+    """Kimi K2.5 as published: the int4 language model under ``language_model.*`` names in a
+    ``kimi_k25`` config (quantization_config at the top), a vision tower beside it. It serves
+    what the same checkpoint unwrapped serves (to fp32 rounding: the files lay the tensors out
+    at other offsets, so some are mapped where the others are copied)."""
+    plain = tmp_path / "plain"
+    wrapped = tmp_path / "wrapped"
+    write_packed_checkpoint("kimi_k2_experts", plain)
+    wrapped.mkdir()
+    text = json.loads((plain / "config.json").read_text())
+    quantization = text.pop("quantization_config")
+    config = {"model_type": "kimi_k25", "text_config": text, "quantization_config": quantization,
+              "tie_word_embeddings": text.get("tie_word_embeddings", False)}  # fmt: skip
+    (wrapped / "config.json").write_text(json.dumps(config))
+    tensors = {
+        ("language_model." + k if k.startswith("model.") else "language_model.lm_head.weight"
+         if k == "lm_head.weight" else k): v
+        for k, v in load_file(plain / "model.safetensors").items()
+    }  # fmt: skip
+    assert not [k for k in tensors if not k.startswith("language_model.")]
+    tensors["vision_tower.patch_embed.proj.weight"] = torch.ones(4, 3)
+    tensors["mm_projector.proj.0.weight"] = torch.ones(2, 2)
+    save_file(tensors, str(wrapped / "model.safetensors"))
+    want, got = generate(plain, compiled=False), generate(wrapped, compiled=False)
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert logprobs_of(a) == pytest.approx(logprobs_of(b), abs=1e-5)
