@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 import mlafx
 from mlafx.config import ConfigError
@@ -179,3 +180,33 @@ def test_bf16_logprobs_agree_with_fp32():
         for token in set(top32) & set(top16):
             assert abs(top32[token] - top16[token]) < 0.05, (token, top32[token], top16[token])
         assert len(set(top32) & set(top16)) >= 6
+
+
+def test_one_constructor_serves_every_step_source(tmp_path):
+    """``LLM.__init__`` is the one constructor: a preset or checkpoint is built into a
+    ``StepSource`` there, ``from_transformers`` / ``from_artifact`` build one and call it; every
+    engine has the same attributes, and a keyword neither option set has is a TypeError."""
+    import transformers
+
+    from mlafx.runtime.options import ServingOptions
+    from mlafx.runtime.step_source import StepSource
+    from tests.test_parity_transformers import CONFIGS
+
+    llm = tiny_llm()
+    assert llm.artifact is None and llm.compiled is None and llm.workers is None
+    with pytest.raises(TypeError, match="bogus_option"):
+        tiny_llm(bogus_option=1)
+    torch.manual_seed(0)
+    hf_model = transformers.DeepseekV3ForCausalLM(CONFIGS["v3_noaux_tc"]()).eval()
+    adopted = mlafx.LLM.from_transformers(hf_model, compile=False, block_size=4, num_kv_blocks=9)
+    assert adopted.artifact is None and adopted.model is not None and adopted.block_size == 4
+    assert adopted.engine.blocks.num_blocks == 9
+    with pytest.raises(ValueError, match="batch_invariant needs compile=True"):
+        mlafx.LLM.from_transformers(hf_model, compile=False, batch_invariant=True)
+    source = StepSource(llm.config, "float32", llm.model, model=llm.model)
+    again = mlafx.LLM(source, options=ServingOptions(block_size=4, num_kv_blocks=16))
+    params = mlafx.SamplingParams(max_tokens=4, ignore_eos=True)
+    want = llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+    assert again.generate([[5, 6, 7]], params)[0].outputs[0].token_ids == want
+    with pytest.raises(TypeError, match="options="):
+        mlafx.LLM(source, block_size=4)

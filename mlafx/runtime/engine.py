@@ -2,8 +2,10 @@
 prompts with continuous batching, chunked prefill, prefix caching and, optionally, a KV
 connector that shares computed prefixes between engines (see ``scheduler``).
 
-``LLM.__init__`` builds the model and its step; everything after that (cache, scheduler,
-the engine loop) is ``EngineCore``, started by ``_start`` from a config and a step callable.
+``LLM.__init__`` serves a ``StepSource`` (``runtime/step_source.py``: a preset or checkpoint
+built here, or what ``from_artifact`` / ``from_transformers`` build) with a ``ServingOptions``;
+everything after that (cache, scheduler, the engine loop) is ``EngineCore``, started by
+``_start``.
 """
 
 from __future__ import annotations
@@ -19,20 +21,12 @@ from typing import Any
 import torch
 
 from mlafx.config import ModelConfig, check_fits_in_memory
-from mlafx.config.presets import PRESETS
-from mlafx.models.loader import (
-    DTYPES,
-    LoadFormat,
-    build_model,
-    servable_stored_quantization,
-    torch_dtype,
-)
-from mlafx.models.quantized import Quantization, check_quantization
+from mlafx.models.loader import torch_dtype
 from mlafx.models.step import StepFn
-from mlafx.parallel import WorkerGroup, check_shardable, start_workers
+from mlafx.parallel import WorkerGroup
 from mlafx.runtime.block_hash import cache_fingerprint
 from mlafx.runtime.block_manager import BlockManager
-from mlafx.runtime.chat_template import ChatTemplate, load_chat_template
+from mlafx.runtime.chat_template import ChatTemplate
 from mlafx.runtime.engine_core import EngineCore
 from mlafx.runtime.kv_connector.base import KVConnector
 from mlafx.runtime.options import ServingOptions
@@ -45,25 +39,19 @@ from mlafx.runtime.sampling_params import (
     SamplingParams,
 )
 from mlafx.runtime.scheduler import blocks_for_lifetime
-from mlafx.runtime.tokenizer import load_tokenizer
+from mlafx.runtime.step_source import (
+    StepSource,
+    artifact_source,
+    check_batch_invariant,
+    check_model_options,
+    model_source,
+    split_options,
+    transformers_source,
+)
 
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
-
-
-def check_batch_invariant(compile: bool, quantization: object) -> None:
-    """What batch-invariant serving needs (the compiled step's kernels carry the mode)."""
-    if not compile:
-        raise ValueError(
-            "batch_invariant needs compile=True: the reference model runs ATen's kernels, "
-            "whose sums follow the batch's shape"
-        )
-    if quantization is not None:
-        raise ValueError(
-            "batch_invariant is not supported with quantization yet (the quantized kernels' "
-            "choices still follow the batch's shape)"
-        )
 
 
 class LLM:
@@ -106,137 +94,55 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path,
+        model: str | Path | StepSource,
         *,
-        load_format: LoadFormat = "auto",
-        hf_overrides: dict[str, Any] | None = None,
-        dtype: str = "bfloat16",
-        quantization: Quantization | None = None,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
+        options: ServingOptions | None = None,
         kv_connector: str | KVConnector | None = None,
-        seed: int = 0,
-        progress: bool = True,
-        compile: bool = True,
-        compile_cache_dir: str | Path | None = None,
-        allow_unlowered: bool = False,
-        tensor_parallel_size: int = 1,
-        tensor_parallel_local_ranks: int | None = None,
-        batch_invariant: bool = False,
+        **kwargs: Any,
     ) -> None:
-        cfg = ModelConfig.from_model(model, hf_overrides)
-        torch_dtype(dtype)  # validates the name
-        check_quantization(quantization)
-        if batch_invariant:
-            check_batch_invariant(compile, quantization)
-        if quantization is not None and tensor_parallel_size != 1:
-            raise ValueError(
-                "quantization is not supported with tensor_parallel_size > 1 yet (the shards "
-                "split full-precision weights)"
+        """``model``: a preset name or checkpoint, built with ``kwargs`` (``ModelOptions``'
+        fields: load_format, hf_overrides, dtype, quantization, progress, compile,
+        compile_cache_dir, allow_unlowered, tensor_parallel_size,
+        tensor_parallel_local_ranks) and served with ``ServingOptions``' fields (block_size,
+        max_model_len, num_kv_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens,
+        enable_chunked_prefill, enable_prefix_caching, seed, batch_invariant); or a built
+        ``StepSource`` (what ``from_artifact`` / ``from_transformers`` make) with its
+        ``options``."""
+        if isinstance(model, StepSource):
+            if kwargs:
+                raise TypeError(
+                    f"LLM(StepSource) takes its serving options as options=, not {sorted(kwargs)}"
+                )
+            source, options = model, options or ServingOptions()
+            connector = connect_kv_store(
+                kv_connector, source.config, source.dtype, options.block_size
             )
-        if tensor_parallel_local_ranks is not None and tensor_parallel_size == 1:
-            raise ValueError("tensor_parallel_local_ranks needs tensor_parallel_size > 1")
-        if tensor_parallel_size != 1:
-            check_shardable(cfg, tensor_parallel_size)
-            if kv_connector is not None:
+        else:
+            if options is not None:
+                raise TypeError("LLM(model, ...) takes the serving options as keywords")
+            build, options = split_options(kwargs)
+            cfg = check_model_options(model, build, options)
+            if build.tensor_parallel_size != 1 and kv_connector is not None:
                 raise ValueError(
                     "kv_connector is not supported with tensor_parallel_size > 1 (the latent "
                     "cache rows live in the worker processes)"
                 )
-        options = ServingOptions(
-            block_size=block_size,
-            max_model_len=max_model_len,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            batch_invariant=batch_invariant,
-        )
-        options.resolved_max_model_len(cfg)
-        if load_format == "auto" and isinstance(model, str) and model in PRESETS:
-            raise ValueError(
-                f"preset {model!r} has no weights on this machine; use load_format='dummy' "
-                "or a local checkpoint directory"
-            )
-        stored = None
-        if load_format == "auto" and model not in PRESETS:
-            stored = servable_stored_quantization(model)  # an unserved format fails here
-        if stored is not None and batch_invariant:
-            raise ValueError(
-                "batch_invariant is not supported with checkpoints stored quantized yet (the "
-                "quantized kernels' choices still follow the batch's shape)"
-            )
-        if stored is not None and tensor_parallel_size != 1:
-            raise ValueError(
-                "checkpoints stored quantized are not supported with tensor_parallel_size > 1 "
-                "yet (the shards split full-precision weights)"
-            )
-        # before any allocation: the weights plus the cache must fit
-        check_fits_in_memory(
-            cfg, dtype, options.num_blocks(cfg, dtype) * block_size, quantization, stored
-        )
-        # a bad store spec fails here, before the (slow) model build and compile
-        connector = connect_kv_store(kv_connector, cfg, dtype, block_size)
+            # a bad store spec fails here, before the (slow) model build and compile
+            connector = connect_kv_store(kv_connector, cfg, build.dtype, options.block_size)
+            try:
+                source = model_source(model, cfg, build, options)
+            except BaseException:
+                if connector is not None and connector is not kv_connector:
+                    connector.close()  # we opened it
+                raise
+        self.model, self.compiled, self.artifact = source.model, source.compiled, source.artifact
+        self.workers = source.workers
+        self.chat_template = source.chat_template
         try:
-            if tensor_parallel_size != 1:
-                self.model, self.compiled = None, None
-                self.workers = start_workers(
-                    cfg,
-                    world_size=tensor_parallel_size,
-                    model_dir=None if model in PRESETS else str(model),
-                    load_format=load_format,
-                    dtype=dtype,
-                    seed=seed,
-                    block_size=block_size,
-                    num_blocks=options.num_blocks(cfg, dtype),
-                    compile=compile,
-                    compile_cache_dir=compile_cache_dir,
-                    local_ranks=tensor_parallel_local_ranks,
-                )
-                self.chat_template = None if model in PRESETS else load_chat_template(model)
-                tokenizer = None if model in PRESETS else load_tokenizer(model)
-                self._start(cfg, self.workers, dtype, options, tokenizer, connector)
-                return
-            self.model = build_model(
-                cfg,
-                dtype,
-                load_format,
-                None if model in PRESETS else model,
-                seed=seed,
-                progress=progress,
-                quantization=quantization,
-            )
-            # The step the engine runs: the plain reference model, or the same model
-            # captured, rewritten onto the latent-cache kernels and compiled ahead of time.
-            self.compiled = None
-            step_fn: StepFn = self.model
-            if compile:
-                from mlafx.compile.compiled_step import compile_step
-
-                cache_dir = None if compile_cache_dir is None else Path(compile_cache_dir)
-                self.compiled = compile_step(
-                    self.model,
-                    block_size,
-                    cache_dir=cache_dir,
-                    allow_unlowered=allow_unlowered,
-                    release_replaced_weights=True,
-                )
-                step_fn = self.compiled
-            self.chat_template = None if model in PRESETS else load_chat_template(model)
-            tokenizer = None if model in PRESETS else load_tokenizer(model)
-            self._start(cfg, step_fn, dtype, options, tokenizer, connector)
+            self._start(source, options, connector)
         except BaseException:
             if connector is not None and connector is not kv_connector:
-                connector.close()  # we opened it
+                connector.close()
             if self.workers is not None:
                 self.workers.close()
             raise
@@ -247,44 +153,28 @@ class LLM:
         path: str | Path,
         *,
         engine: str | None = None,
-        max_model_len: int | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
         kv_connector: str | KVConnector | None = None,
-        seed: int = 0,
+        **serving: Any,
     ) -> LLM:
         """Serve an artifact written by ``mlafx.export`` (or ``mlafx export``): no model
         code and no compilation; its files are hash-checked before anything is loaded (see
-        ``mlafx.export.artifact``). The config, dtype and block size come from the artifact.
-        ``engine``: None serves the format's own runner; ``"onnxruntime"`` runs an ONNX
-        artifact."""
-        from mlafx.export.artifact import load_artifact
-
-        loaded = load_artifact(path, engine)
-        options = ServingOptions(
-            block_size=loaded.block_size,
-            max_model_len=max_model_len,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
+        ``mlafx.export.artifact``). The config, dtype and block size come from the artifact;
+        ``serving``: the other ``ServingOptions`` fields. ``engine``: None serves the format's
+        own runner; ``"onnxruntime"`` runs an ONNX artifact."""
+        if "block_size" in serving:
+            raise TypeError("an artifact's block size is its own (compiled into it)")
+        if serving.get("batch_invariant"):
+            raise ValueError(
+                "batch_invariant is not supported with artifacts yet (an artifact's kernels "
+                "were chosen when it was exported)"
+            )
+        source = artifact_source(path, engine)
+        options = ServingOptions(block_size=source.artifact.block_size, **serving)
+        cfg = source.config
+        check_fits_in_memory(
+            cfg, source.dtype, options.num_blocks(cfg, source.dtype) * options.block_size
         )
-        cfg, dtype = loaded.config, loaded.dtype
-        check_fits_in_memory(cfg, dtype, options.num_blocks(cfg, dtype) * loaded.block_size)
-        llm = cls.__new__(cls)
-        llm.model, llm.compiled, llm.artifact = None, None, loaded
-        tokenizer = load_tokenizer(loaded.tokenizer_dir) if loaded.tokenizer_dir else None
-        llm.chat_template = load_chat_template(loaded.tokenizer_dir) if tokenizer else None
-        connector = connect_kv_store(kv_connector, cfg, dtype, loaded.block_size)
-        llm._start(cfg, loaded.step, dtype, options, tokenizer, connector)
-        return llm
+        return cls(source, options=options, kv_connector=kv_connector)
 
     @classmethod
     def from_transformers(
@@ -292,74 +182,38 @@ class LLM:
         hf_model: torch.nn.Module,
         *,
         hf_overrides: dict[str, Any] | None = None,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
         kv_connector: str | KVConnector | None = None,
-        seed: int = 0,
         compile: bool = True,
         compile_cache_dir: str | Path | None = None,
         allow_unlowered: bool = False,
+        **serving: Any,
     ) -> LLM:
-        """Serve a ``transformers`` DeepSeek-V2/V3-family model object (on the CPU) in its
-        own dtype: its tensors are adopted by mlafx's model, not copied (see
-        ``mlafx.models.from_transformers``), then captured, lowered and compiled as usual.
-        No tokenizer: prompts are token ids."""
-        from mlafx.models.from_transformers import model_from_transformers
-
-        model = model_from_transformers(hf_model, hf_overrides)
-        dtype = next(n for n, d in DTYPES.items() if d == model.lm_head.weight.dtype)
-        options = ServingOptions(
-            block_size=block_size,
-            max_model_len=max_model_len,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
+        """Serve a ``transformers`` MLA model object (on the CPU) in its own dtype: its
+        tensors are adopted by mlafx's model, not copied (see
+        ``mlafx.models.from_transformers``), then captured, lowered and compiled as usual;
+        ``serving``: ``ServingOptions`` fields. No tokenizer: prompts are token ids."""
+        options = ServingOptions(**serving)
+        if options.batch_invariant:
+            check_batch_invariant(compile, None)
+        source = transformers_source(
+            hf_model, hf_overrides, options, compile, compile_cache_dir, allow_unlowered
         )
-        cfg = model.config
-        options.resolved_max_model_len(cfg)
-        options.num_blocks(cfg, dtype)  # validates the cache size before compiling
-        connector = connect_kv_store(kv_connector, cfg, dtype, block_size)
-        llm = cls.__new__(cls)
-        llm.model, llm.compiled, llm.artifact = model, None, None
-        step_fn: StepFn = model
-        if compile:
-            from mlafx.compile.compiled_step import compile_step
-
-            cache_dir = None if compile_cache_dir is None else Path(compile_cache_dir)
-            llm.compiled = step_fn = compile_step(
-                model, block_size, cache_dir=cache_dir, allow_unlowered=allow_unlowered
-            )
-        llm._start(cfg, step_fn, dtype, options, None, connector)
-        return llm
+        return cls(source, options=options, kv_connector=kv_connector)
 
     def _start(
-        self,
-        config: ModelConfig,
-        step_fn: StepFn,
-        dtype: str,
-        options: ServingOptions,
-        tokenizer: Any | None,
-        kv_connector: KVConnector | None,
+        self, source: StepSource, options: ServingOptions, kv_connector: KVConnector | None
     ) -> None:
         """Everything but the model: the cache, the scheduler and the engine loop, serving
-        ``step_fn`` (``(input_ids, positions, caches, meta, logits_indices) -> logits``; its
-        ``reads_key_rows`` says whether the host builds it the key rows, ``StepFn``)."""
+        ``source.step_fn`` (``(input_ids, positions, caches, meta, logits_indices) ->
+        logits``; its ``reads_key_rows`` says whether the host builds it the key rows,
+        ``StepFn``)."""
+        config, dtype, step_fn = source.config, source.dtype, source.step_fn
         self.config = config
         self.dtype = torch_dtype(dtype)
         self.block_size = options.block_size
         self.max_model_len = options.resolved_max_model_len(config)
         self.seed = options.seed
-        self.tokenizer = tokenizer
+        self.tokenizer = source.tokenizer
         self.step_fn: StepFn = step_fn
         self.cache_fingerprint = cache_fingerprint(config, dtype, options.block_size)
         num_blocks = options.num_blocks(config, dtype)
