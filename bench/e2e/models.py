@@ -26,7 +26,7 @@ MODELS: dict[str, dict[str, Any]] = {
     "full-width-1layer": {"num_hidden_layers": 1, "first_k_dense_replace": 0},
     # all of DeepSeek-V2-Lite (27 layers, 64 experts): with --quantization only (29 GiB in bf16)
     "full": {},
-    # the tests' tiny model (for --quick): a few MB
+    # a tiny model for --quick (a few MB): tests/tiny_models.py's widths, every layer MoE
     "tiny": {
         "vocab_size": 256,
         "hidden_size": 64,

@@ -4,15 +4,17 @@
     lower_attention     -> per site: write_latent_cache; mla_attention_paged for the
                            absorbed rows; varlen_attention + mla_attention_paged (context)
                            + merge_attn_states for the split rows (absorb_weights: the
-                           W_UK/W_UV views)
+                           absorbed W_UK / W_UV^T, contiguous derived constants of
+                           kv_b_proj.weight)
     lower_linears       -> mlafx.linear_packed for every linear over a graph weight
                            (packed copies as new constants ``<weight>_packed``, which
                            replace the weights they are derived from)
-    cleanup             -> dead-code elimination, lint, recompile
     verify              -> numeric check against the captured graph on a sample step whose
                            rows take both paths; a mismatch keeps the captured graph and
                            reports why (compiling it is then an error)
-Each stage's graph is kept (for ``mlafx inspect``) with its op histogram and time.
+Each rewriting pass ends with the one shared clean-up (``graph_utils.finish``: dead-code
+elimination, lint, recompile). Each stage's graph is kept (for ``mlafx inspect``) with its op
+histogram and time.
 """
 
 from __future__ import annotations
