@@ -49,14 +49,16 @@ def encode(tensor: torch.Tensor, qtype: Q, rng: np.random.Generator) -> np.ndarr
     values = tensor.detach().float().numpy()
     if qtype == Q.F32:
         return values
+    if qtype == Q.F16:
+        return values.astype(np.float16)
     if qtype in K_QUANTS:
         return random_k_blocks(values.shape, qtype, rng)
     return quantize(values, qtype)
 
 
 def decode(data: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
-    if qtype == Q.F32:
-        return torch.from_numpy(np.array(data))
+    if qtype in (Q.F32, Q.F16):
+        return torch.from_numpy(np.array(data, dtype=np.float32))
     return torch.from_numpy(np.array(dequantize(data, qtype))).reshape(shape)
 
 
@@ -94,7 +96,10 @@ def _metadata(writer: GGUFWriter, cfg, kv_b: str) -> None:
     n_group = getattr(c, "n_group", None) or 1
     writer.add_expert_group_count(n_group)
     writer.add_expert_group_used_count(getattr(c, "topk_group", None) or n_group)
-    writer.add_leading_dense_block_count(c.first_k_dense_replace)
+    # GLM-4.7-Flash lists its layers' MLP types; llama.cpp counts the leading dense ones
+    types = getattr(c, "mlp_layer_types", None)
+    leading = c.first_k_dense_replace if types is None else types.index("sparse")
+    writer.add_leading_dense_block_count(leading)
     writer.add_vocab_size(c.vocab_size)
     if c.q_lora_rank is not None:
         writer.add_q_lora_rank(c.q_lora_rank)
@@ -242,7 +247,7 @@ def write_gguf(
     for name, (key, value) in _gguf_tensors(state, cfg, kv_b).items():
         qtype = types(name, tuple(value.shape))
         data = encode(value, qtype, rng)
-        writer.add_tensor(name, data, raw_dtype=None if qtype == Q.F32 else qtype)
+        writer.add_tensor(name, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
         decoded[key] = decode(data, qtype, tuple(value.shape))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -297,3 +297,53 @@ def test_a_stack_of_two_block_types_is_stacked_losslessly_as_int8(tmp_path):
     for e in range(experts.gate_up_qweight.shape[0]):
         w = dequantize_weight(experts.gate_up_qweight[e], 2 * experts.intermediate_size, 64)
         assert torch.equal(w, state["model.layers.1.mlp.experts.gate_up_proj"][e])
+
+
+def test_a_glm_4_7_flash_file_matches_transformers(tmp_path):
+    """GLM-4.7-Flash as llama.cpp writes it (arch deepseek2): P != V, q LoRA, sigmoid routing
+    with a correction bias, a dense first layer (from its mlp_layer_types)."""
+    torch.manual_seed(0)
+    keys = ("first_k_dense_replace", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group")
+    config = transformers.Glm4MoeLiteConfig(
+        **{k: v for k, v in TINY_V3.items() if k not in keys},
+        moe_intermediate_size=64,
+        qk_nope_head_dim=24,
+        v_head_dim=32,
+        n_group=1,
+        topk_group=1,
+        mlp_layer_types=["dense", "sparse"],
+    )
+    hf = transformers.Glm4MoeLiteForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, buffer in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.3, 0.3)
+    path = tmp_path / "glm.gguf"
+    state = write_gguf(path, hf, types=f32_only)
+    cfg = ModelConfig.from_model(path)
+    assert (cfg.qk_nope_head_dim, cfg.v_head_dim) == (24, 32)
+    assert cfg.mlp_layer_types == ("dense", "sparse") and cfg.topk_method == "noaux_tc"
+    _check(path, _reference(hf, state), 1e-4)
+
+
+@pytest.mark.parametrize("qtype, dtype", [(Q.BF16, torch.bfloat16), (Q.F16, torch.float16)])
+def test_16_bit_files_are_mapped_in_their_own_dtype(tmp_path, qtype, dtype):
+    """An engine whose dtype is the file's serves its BF16 / F16 matrices over private
+    mappings of the file (no copy), and computes what transformers computes on them."""
+    from tests.test_mapped_weights import _mapped_from
+
+    hf = _tiny_v3()
+    path = tmp_path / f"{qtype.name}.gguf"
+    state = write_gguf(path, hf, types=block_type(qtype))
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    llm = mlafx.LLM(str(path), dtype=name, block_size=4, num_kv_blocks=64, progress=False,
+                    compile=False)  # fmt: skip
+    attn = llm.model.model.layers[1].self_attn
+    for weight in (attn.q_b_proj.weight, attn.o_proj.weight, llm.model.lm_head.weight):
+        assert weight.dtype == dtype and _mapped_from(weight, path)
+    # the values: the file's, exactly (the reference holds them widened to float32)
+    want = state["model.layers.1.self_attn.o_proj.weight"]
+    assert torch.equal(attn.o_proj.weight.float(), want)
+    params = mlafx.SamplingParams(max_tokens=NEW, ignore_eos=True)
+    got = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    assert len(got) == NEW
