@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -12,6 +11,8 @@ import time
 from collections.abc import Iterator
 
 import redis
+
+from tests.system_tools import require
 
 START_TIMEOUT_S = 10.0
 
@@ -26,12 +27,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
     """Run ``redis-server`` for the ``with`` block; yields its URL ``redis://127.0.0.1:N``."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError(
-            "redis-server is not installed; run `make system-deps` (as root: it apt-installs "
-            "Debian's redis-server) to run the Redis KV-store tests"
-        )
+    binary = require("redis-server")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="mlafx-redis-") as workdir:
         log_path = f"{workdir}/redis.log"

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import tempfile
 
-import pytest
-
 from mlafx.cli import main
+from tests.system_tools import require
 from tests.tiny_models import TINY_OVERRIDES
 
 DENSE = json.dumps({**TINY_OVERRIDES, "n_routed_experts": 0})
@@ -65,11 +63,9 @@ def test_inspect_text_shows_one_stage_with_its_graph(capsys):
     )
 
 
-@pytest.mark.skipif(
-    not (shutil.which("dot") and shutil.which("chromium")),
-    reason="needs graphviz and chromium (make system-deps installs both)",
-)
 def test_inspect_html_renders_every_stage_in_headless_chromium(tmp_path, capsys):
+    require("dot")
+    chromium = require("chromium")
     page = tmp_path / "report.html"
     assert main(["inspect", *MODEL_FLAGS, "--html", str(page)]) == 0
     text = page.read_text()
@@ -77,7 +73,7 @@ def test_inspect_html_renders_every_stage_in_headless_chromium(tmp_path, capsys)
     with tempfile.TemporaryDirectory() as profile:
         dom = subprocess.run(
             [
-                "chromium",
+                chromium,
                 "--headless",
                 "--no-sandbox",
                 "--disable-gpu",

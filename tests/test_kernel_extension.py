@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import torch
 
 from mlafx.kernels import extension
 from mlafx.kernels.extension import ExtensionLoadError, library_path, load_extension
+from tests.system_tools import require
 
 
 def test_stale_sources_fail_loudly_with_hint(monkeypatch):
@@ -74,9 +74,7 @@ def test_no_avx512_code_outside_avx512_sources():
     *_avx2.cpp (namespace mlafx::avx2) may use VEX/EVEX or AMX tile instructions: anything
     else runs, or may run, before the CPU check, and an inline function the linker picked
     from an AVX2/AVX-512 object would crash older CPUs."""
-    objdump = shutil.which("objdump")
-    if objdump is None:
-        pytest.skip("objdump (binutils) not installed")
+    objdump = require("objdump")
     disassembly = subprocess.run(
         [objdump, "-d", "-C", "--no-show-raw-insn", str(library_path())],
         capture_output=True,
