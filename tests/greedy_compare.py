@@ -49,6 +49,18 @@ def compare_greedy(
     return Comparison(compared=len(ref_tokens), tie_at=None)
 
 
+def random_transformers_model(config, model_class, seed: int) -> torch.nn.Module:
+    """``model_class(config)`` with seeded random weights in eval mode; routers' correction
+    biases (zero-initialised, which would hide their bugs) drawn from [-0.3, 0.3]."""
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.uniform_(-0.3, 0.3)
+    return model
+
+
 def transformers_greedy(
     model, prompt: list[int], new_tokens: int
 ) -> tuple[list[int], torch.Tensor]:

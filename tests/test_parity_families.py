@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import mlafx
-from tests.greedy_compare import compare_greedy, transformers_greedy
+from tests.greedy_compare import compare_greedy, random_transformers_model, transformers_greedy
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 61))]
 # served after PROMPTS: its first 32 tokens are PROMPTS[2]'s, already in the prefix cache
@@ -49,6 +49,15 @@ _LONGROPE = {
     "long_factor": [1.0, 1.7, 3.1],
     "original_max_position_embeddings": 64,  # < max_position_embeddings: attention factor
 }
+
+
+_LONGCAT = dict(
+    vocab_size=151, hidden_size=48, num_layers=2, num_attention_heads=3, q_lora_rank=20,
+    kv_lora_rank=24, qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=12, head_dim=6,
+    ffn_hidden_size=64, expert_ffn_hidden_size=20, n_routed_experts=6, zero_expert_num=3,
+    moe_topk=3, routed_scaling_factor=2.0, max_position_embeddings=256, initializer_range=0.2,
+    bos_token_id=None, eos_token_id=None,
+)  # fmt: skip
 
 
 def _kimi_k25() -> transformers.PretrainedConfig:
@@ -114,14 +123,7 @@ CONFIGS = {
     "kimi_k25": _kimi_k25,
     # LongCat-Flash: two MLA blocks per layer (q and latent scalings), shortcut MoE with zero
     # experts (3 of 9 choices), per-expert checkpoint keys, its own RoPE theta
-    "longcat_flash": lambda: transformers.LongcatFlashConfig(
-        vocab_size=151, hidden_size=48, num_layers=2, num_attention_heads=3,
-        q_lora_rank=20, kv_lora_rank=24, qk_nope_head_dim=10, qk_rope_head_dim=6,
-        v_head_dim=12, head_dim=6, ffn_hidden_size=64, expert_ffn_hidden_size=20,
-        n_routed_experts=6, zero_expert_num=3, moe_topk=3, routed_scaling_factor=2.0,
-        max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
-        eos_token_id=None,
-    ),
+    "longcat_flash": lambda: transformers.LongcatFlashConfig(**_LONGCAT),
     # transformers runs these two with DeepSeek-V3's code; their configs differ in names and
     # defaults (Sarvam: num_experts, no q LoRA; Youtu: dense, tied)
     "sarvam_mla": lambda: transformers.SarvamMLAConfig(
@@ -151,12 +153,7 @@ TP_CONFIGS = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
     "longcat_flash_tp2": lambda: transformers.LongcatFlashConfig(
-        vocab_size=151, hidden_size=48, num_layers=2, num_attention_heads=4,
-        q_lora_rank=20, kv_lora_rank=24, qk_nope_head_dim=10, qk_rope_head_dim=6,
-        v_head_dim=12, head_dim=6, ffn_hidden_size=64, expert_ffn_hidden_size=20,
-        n_routed_experts=6, zero_expert_num=3, moe_topk=3, routed_scaling_factor=2.0,
-        max_position_embeddings=256, initializer_range=0.2, bos_token_id=None,
-        eos_token_id=None,
+        **{**_LONGCAT, "num_attention_heads": 4}
     ),
 }  # fmt: skip
 MODEL_CLASSES = {
@@ -169,13 +166,8 @@ MODEL_CLASSES = {
 
 
 def make_checkpoint(name: str, directory) -> torch.nn.Module:
-    torch.manual_seed(4321)
     config = {**CONFIGS, **TP_CONFIGS}[name]()
-    model = MODEL_CLASSES[type(config)](config).eval()
-    with torch.no_grad():  # routers' correction biases start at 0: make them matter
-        for module_name, buffer in model.named_buffers():
-            if module_name.endswith("e_score_correction_bias"):
-                buffer.uniform_(-0.3, 0.3)
+    model = random_transformers_model(config, MODEL_CLASSES[type(config)], seed=4321)
     model.save_pretrained(directory)
     return model
 
@@ -298,9 +290,8 @@ def test_a_transformers_object_is_adopted_without_copies(name):
     routers too), Kimi K2.5's vision tower left out; its logits are the object's."""
     from mlafx.models.from_transformers import model_from_transformers
 
-    torch.manual_seed(4321)
     config = CONFIGS[name]()
-    hf_model = MODEL_CLASSES[type(config)](config).eval()
+    hf_model = random_transformers_model(config, MODEL_CLASSES[type(config)], seed=4321)
     model = model_from_transformers(hf_model)
     theirs = {t.data_ptr() for t in hf_model.parameters()}
     assert all(p.data_ptr() in theirs for p in model.parameters())

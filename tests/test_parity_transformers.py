@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import mlafx
-from tests.greedy_compare import compare_greedy, transformers_greedy
+from tests.greedy_compare import compare_greedy, random_transformers_model, transformers_greedy
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 61))]
 NEW_TOKENS = 16
@@ -130,13 +130,8 @@ MODEL_CLASSES = {
 
 
 def make_checkpoint(name: str, directory) -> torch.nn.Module:
-    torch.manual_seed(1234)
     config = CONFIGS[name]()
-    model = MODEL_CLASSES[type(config)](config).eval()
-    with torch.no_grad():  # routers' correction biases start at 0: make them matter
-        for module_name, buffer in model.named_buffers():
-            if module_name.endswith("e_score_correction_bias"):
-                buffer.uniform_(-0.3, 0.3)
+    model = random_transformers_model(config, MODEL_CLASSES[type(config)], seed=1234)
     model.save_pretrained(directory)
     return model
 
