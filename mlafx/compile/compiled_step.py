@@ -55,7 +55,7 @@ from mlafx.graph.capture import (
     sample_step,
     step_dynamic_shapes,
 )
-from mlafx.models.deepseek import MLAForCausalLM
+from mlafx.models.deepseek import MLAForCausalLM, caches_by_layer
 from mlafx.models.layers import rms_norm, scale_embedding, scale_logits_input
 from mlafx.models.rope import rope_cos_sin, rope_inv_freq, rope_scale
 from mlafx.models.step import CACHE_LAYOUT_VERSION, StepMetadata
@@ -175,8 +175,7 @@ def lower_layer(
     lowered graph with the step's dynamic extents. Raises ``LoweringError`` when verification
     fails, unless ``allow_unlowered`` (then the program is the captured layer)."""
     start = time.perf_counter()
-    num_caches = model.model.layers[kind.layers[0]].num_caches
-    sample = sample_layer(model, block_size, num_caches=num_caches)
+    sample = sample_layer(model, block_size)
     captured = capture_layer(model, kind.layers[0], block_size)
     lowering = lower_step_graph(
         captured.module(), sample, sample.caches, time.perf_counter() - start
@@ -191,7 +190,7 @@ def lower_layer(
     else:
         _checked(lowering, f"layer kind {kind.name} (layers {list(kind.layers)})")
     args = sample.args(sample.caches)
-    dynamic = layer_dynamic_shapes(num_caches)
+    dynamic = layer_dynamic_shapes(len(sample.caches))
     return LoweredGraph(_export(lowering.graph, args, dynamic), lowering, args)
 
 
@@ -343,8 +342,6 @@ class CompiledStep:
         self.compile_seconds = 0.0  # set by compile_step
         kinds = kind_of_layers([p.kind for p in packages], config.num_hidden_layers)
         self.layers: list[PackageRunner] = []
-        # caches each layer's package takes (one per MLA block: LongCat-Flash's layers two)
-        self.layer_caches = [config.attention_blocks] * config.num_hidden_layers
         for layer, kind in enumerate(kinds):
             own = layer_constants(constants, layer)
             runner = load_aoti_package(packages[kind].package, own)
@@ -398,10 +395,7 @@ class CompiledStep:
         meta_leaves = [getattr(meta, f.name) for f in fields(meta)]
         cfg = self.config
         x = scale_embedding(F.embedding(input_ids, self.embedding), cfg.embedding_scale)
-        start = 0
-        for runner, num_caches in zip(self.layers, self.layer_caches, strict=True):
-            own = caches[start : start + num_caches]
-            start += num_caches
+        for runner, own in zip(self.layers, caches_by_layer(cfg, caches), strict=True):
             (x,) = runner.run_flat([x, positions, cos, sin, *own, *meta_leaves])
         h = rms_norm(x.index_select(0, logits_indices), self.final_norm, cfg.rms_norm_eps)
         h = scale_logits_input(h, cfg.logits_divisor)

@@ -191,9 +191,7 @@ class LayerSample:
         return (self.x, self.step.positions, self.cos, self.sin, list(caches), self.step.meta)
 
 
-def sample_layer(
-    model: MLAForCausalLM, block_size: int, seed: int = 0, num_caches: int = 1
-) -> LayerSample:
+def sample_layer(model: MLAForCausalLM, block_size: int, seed: int = 0) -> LayerSample:
     cfg = model.config
     dtype = model.dtype
     step = sample_step_inputs(block_size, cfg.vocab_size)
@@ -201,16 +199,15 @@ def sample_layer(
     x = torch.randn(len(step.positions), cfg.hidden_size, generator=generator).to(dtype)
     cos, sin = rope_cos_sin(step.positions, model.rope_inv_freq, model.rope_scale)
     shape = (num_sample_blocks(block_size), block_size, cfg.latent_width)
-    caches = [torch.zeros(shape, dtype=dtype) for _ in range(num_caches)]
+    caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.attention_blocks)]
     return LayerSample(step, x, cos, sin, caches)
 
 
 def capture_layer(model: MLAForCausalLM, layer: int, block_size: int) -> ExportedProgram:
     """Decoder layer ``layer`` of ``model`` as a :class:`LayerStep` ExportedProgram (its
     weights are the layer's own tensors: nothing is copied)."""
-    decoder_layer = model.model.layers[layer]
-    sample = sample_layer(model, block_size, num_caches=decoder_layer.num_caches)
-    module = LayerStep(decoder_layer)
+    sample = sample_layer(model, block_size)
+    module = LayerStep(model.model.layers[layer])
     return _export(module, sample.args(sample.caches), layer_dynamic_shapes(len(sample.caches)))
 
 

@@ -48,16 +48,6 @@ def text_model_key(key: str) -> str | None:
     return key
 
 
-def checkpoint_names(name: str) -> tuple[str, ...]:
-    """Every name text-model name ``name`` may have in a checkpoint (for rules written against
-    the file's names, such as a compressed-tensors ``ignore`` list)."""
-    names = [name]
-    for prefix, replacement in _TEXT_PREFIXES:
-        if name.startswith(replacement):
-            names.append(prefix + name[len(replacement) :])
-    return tuple(names)
-
-
 def text_model_tensors(path: Path) -> dict[str, StoredTensor]:
     """``tensor_locations(path)`` by the text model's names, vision-side tensors left out."""
     tensors: dict[str, StoredTensor] = {}

@@ -31,8 +31,6 @@ class DecoderLayer(nn.Module):
     (row-parallel ``o_proj`` / ``down_proj``) and ``all_reduce`` sums them over the ranks.
     """
 
-    num_caches = 1  # latent caches the layer reads and writes (one MLA block)
-
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -119,18 +117,16 @@ class MLAForCausalLM(nn.Module):
 
         cfg = self.config
         x = scale_embedding(self.model.embed_tokens(input_ids), cfg.embedding_scale)
-        for layer, own in zip(self.model.layers, caches_by_layer(self, caches), strict=True):
+        for layer, own in zip(self.model.layers, caches_by_layer(cfg, caches), strict=True):
             x = layer(x, cos, sin, own, meta.slot_mapping, key_slots, mask)
         h = self.model.norm(x.index_select(0, logits_indices))
         return self.lm_head(scale_logits_input(h, cfg.logits_divisor))
 
 
-def caches_by_layer(model: MLAForCausalLM, caches: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The step's caches (one per MLA block, in model order) grouped by decoder layer."""
-    groups, start = [], 0
-    for layer in model.model.layers:
-        groups.append(caches[start : start + layer.num_caches])
-        start += layer.num_caches
-    if start != len(caches):
-        raise ValueError(f"{len(caches)} caches for {start} MLA blocks")
-    return groups
+def caches_by_layer(cfg: ModelConfig, caches: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The step's caches (one per MLA block, in model order) grouped by decoder layer:
+    ``cfg.attention_blocks`` each."""
+    if len(caches) != cfg.num_cache_layers:
+        raise ValueError(f"{len(caches)} caches for {cfg.num_cache_layers} MLA blocks")
+    blocks = cfg.attention_blocks
+    return [caches[i : i + blocks] for i in range(0, len(caches), blocks)]

@@ -37,11 +37,11 @@ def model_from_transformers(
     cfg = ModelConfig.from_hf_dict(config.to_dict(), hf_overrides)
     # a multimodal wrapper's (Kimi K2.5's) language model by the text model's names; its
     # vision tower and projector are left out
-    state = {
-        text_model_key(name): tensor
-        for name, tensor in hf_model.state_dict().items()
-        if text_model_key(name) is not None
-    }
+    state = {}
+    for name, tensor in hf_model.state_dict().items():
+        text_name = text_model_key(name)
+        if text_name is not None:
+            state[text_name] = tensor
     with torch.device("meta"):
         model = MLAForCausalLM(cfg)
     wanted = set(model.state_dict())

@@ -74,8 +74,6 @@ class LongcatDecoderLayer(nn.Module):
 
     ``all_reduce``: as ``deepseek.DecoderLayer``'s (None: no tensor parallelism)."""
 
-    num_caches = 2
-
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
