@@ -99,8 +99,16 @@ def test_families_and_nested_text_config():
     ("raw", "field"),
     [
         (v2_lite(model_type="llama"), "model_type"),
-        (v2_lite(model_type="deepseek_v32", index_topk=2048), "index_topk"),
+        (v2_lite(model_type="deepseek_v32", index_topk=2048), "q_lora_rank"),
         (v2_lite(model_type="deepseek_v3", index_topk=2048), "index_topk"),
+        (v2_lite(model_type="glm5", index_topk=2048), "index_topk"),
+        (v2_lite(model_type="glm_moe_dsa", q_lora_rank=64, index_topk=0), "index_topk"),
+        (v2_lite(model_type="glm_moe_dsa", q_lora_rank=64, index_head_dim=32), "index_head_dim"),
+        (
+            v2_lite(model_type="glm_moe_dsa", q_lora_rank=64, indexer_types=["shared"] * 27),
+            "indexer_types",
+        ),
+        (v2_lite(model_type="glm_moe_dsa", q_lora_rank=64, index_topk_pattern="FX"), "pattern"),
         (v2_lite(hidden_size=0), "hidden_size"),
         (v2_lite(kv_lora_rank=-512), "kv_lora_rank"),
         (v2_lite(qk_rope_head_dim=63), "qk_rope_head_dim"),
@@ -256,3 +264,17 @@ def test_every_mla_model_type_of_transformers_is_served_or_refused_by_name():
         # a multimodal model's vision / audio sub-configs are not language models
         missing += [t for t in types if t not in known and not re.search("vision|audio", t)]
     assert not missing, f"MLA model types neither served nor refused by name: {missing}"
+
+
+def test_glm5_indexer_types_follow_transformers_schedule():
+    """Without a list, GLM-5's shared layers come from index_topk_freq / _skip_topk_offset (or
+    an F/S pattern), as transformers derives them; V3.2 runs every layer's indexer."""
+    glm = v2_lite(model_type="glm_moe_dsa", q_lora_rank=64, num_hidden_layers=6)
+    cfg = ModelConfig.from_hf_dict({**glm, "index_topk_freq": 2, "index_skip_topk_offset": 2})
+    assert cfg.indexer_types == ("full", "full", "shared", "full", "shared", "full")
+    assert ModelConfig.from_hf_dict({**glm, "index_topk_pattern": "FSSFFS"}).indexer_types == (
+        "full", "shared", "shared", "full", "full", "shared",
+    )  # fmt: skip
+    v32 = ModelConfig.from_hf_dict({**glm, "model_type": "deepseek_v32"})
+    assert v32.indexer_types == ("full",) * 6 and not v32.indexer_rope_interleave
+    assert v32.num_caches == 12 and v32.index_topk == 2048 and v32.index_n_heads == 64

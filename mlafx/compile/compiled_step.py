@@ -69,6 +69,18 @@ class LoweringError(RuntimeError):
     """The lowered graph failed verification: compiling it would serve wrong results."""
 
 
+def check_compilable(config: ModelConfig) -> None:
+    """Raise ``NotImplementedError`` for a model the passes cannot lower yet: DSA sparse
+    attention (its indexer and the sparse attention have ops, not yet a lowering), which the
+    reference model serves (``compile=False``)."""
+    if config.sparse_attention:
+        raise NotImplementedError(
+            f"{config.model_type} (DSA sparse attention) cannot be compiled yet: the passes do "
+            "not lower its indexer and sparse attention. Serve it with the reference model: "
+            "LLM(..., compile=False) or --no-compile"
+        )
+
+
 def default_cache_dir() -> Path:
     """``$MLAFX_CACHE_DIR`` if set (the test suite points it inside the repo), else
     ``~/.cache/mlafx/compiled``."""
@@ -198,13 +210,14 @@ def lower_step(model: MLAForCausalLM, block_size: int) -> LoweredGraph:
     """Capture the whole step, run the MLA passes, verify (``LoweringError`` on failure) and
     re-export the lowered graph with the step's dynamic extents: the program the pt2 and ONNX
     artifacts start from."""
+    check_compilable(model.config)
     start = time.perf_counter()
     sample, caches = sample_step(model, block_size)
     captured = capture_step(model, block_size)
     lowering = lower_step_graph(captured.module(), sample, caches, time.perf_counter() - start)
     _checked(lowering, "the step")
     args = sample.args(caches)
-    program = _export(lowering.graph, args, step_dynamic_shapes(model.config.num_cache_layers))
+    program = _export(lowering.graph, args, step_dynamic_shapes(model.config.num_caches))
     return LoweredGraph(program, lowering, args)
 
 
@@ -416,6 +429,7 @@ def compile_step(
     for each of its layers. ``release_replaced_weights``: the model gives up the weights the
     compiled step does not read (they become meta tensors: the model no longer runs
     eagerly), for an engine that serves only the compiled step."""
+    check_compilable(model.config)
     start = time.perf_counter()
     packages = [
         layer_package(model, kind, block_size, cache_dir, allow_unlowered=allow_unlowered)

@@ -15,7 +15,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
-from mlafx.models.deepseek import DecoderLayer, MLAForCausalLM
+from mlafx.models.decoder_layer import DecoderLayer
+from mlafx.models.deepseek import MLAForCausalLM
 
 
 @dataclass(frozen=True)

@@ -36,29 +36,35 @@ _KIND_MODULES = {
 def parameter_kinds(cfg: ModelConfig) -> dict[str, int]:
     """Parameters by kind: the linears of ``_KIND_MODULES``, ``kv_b`` (kept in the model dtype
     by every quantization), ``kept`` (embedding and norms), ``fp32`` (router weights/biases).
-    A tied lm_head counts 0 here (it is the embedding)."""
+    A tied lm_head counts 0 here (it is the embedding). DSA indexers count in ``attention``
+    (wq_b, wk), ``kept`` (k_norm) and ``fp32`` (weights_proj)."""
     d, h = cfg.hidden_size, cfg.num_attention_heads
     if cfg.q_lora_rank is None:
         q = d * h * cfg.qk_head_dim
     else:
         q = d * cfg.q_lora_rank + cfg.q_lora_rank * h * cfg.qk_head_dim
     layers = cfg.num_hidden_layers
-    blocks = cfg.num_cache_layers  # MLA blocks (LongCat-Flash: two per layer)
+    blocks = cfg.num_mla_blocks  # LongCat-Flash: two per layer
     n_moe = sum(cfg.is_moe_layer(i) for i in range(layers))
     # dense MLPs: one per dense layer; LongCat-Flash: one per MLA block besides its MoE
     n_dense = blocks if cfg.shortcut_moe else layers - n_moe
     per_expert = 3 * d * cfg.moe_intermediate_size
     norms = blocks * (2 * d + cfg.kv_lora_rank + (cfg.q_lora_rank or 0)) + d
     choices = cfg.num_router_choices
+    # DSA indexers: wq_b [Hi*Di, Lq] and wk [Di, D] (linears), k_norm (weight and bias), and
+    # weights_proj [Hi, D] kept in float32
+    indexers = sum(cfg.runs_indexer(i) for i in range(layers))
+    hi, di = cfg.index_n_heads, cfg.index_head_dim
+    indexer = indexers * ((cfg.q_lora_rank or 0) * hi * di + d * di)
     return {
-        "attention": blocks * (q + d * cfg.latent_width + h * cfg.v_head_dim * d),
+        "attention": blocks * (q + d * cfg.latent_width + h * cfg.v_head_dim * d) + indexer,
         "kv_b": blocks * cfg.kv_lora_rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
         "dense_mlp": n_dense * 3 * d * cfg.intermediate_size,
         "shared_experts": n_moe * per_expert * cfg.n_shared_experts,
         "routed_experts": n_moe * per_expert * cfg.n_routed_experts,
         "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * d,
-        "kept": cfg.vocab_size * d + norms,
-        "fp32": n_moe * (choices * d + choices),
+        "kept": cfg.vocab_size * d + norms + indexers * 2 * di,
+        "fp32": n_moe * (choices * d + choices) + indexers * hi * d,
     }
 
 
@@ -104,8 +110,9 @@ def weight_bytes(
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
-    """One latent row (Lkv + R) per MLA block (per layer; LongCat-Flash: two per layer)."""
-    return cfg.num_cache_layers * cfg.latent_width * dtype_bytes(dtype)
+    """One row of every cache (``ModelConfig.cache_widths``): a latent row (Lkv + R) per MLA
+    block (LongCat-Flash: two per layer), and a DSA indexer's key row."""
+    return sum(cfg.cache_widths) * dtype_bytes(dtype)
 
 
 def available_memory_bytes() -> int:

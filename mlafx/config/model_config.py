@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mlafx.config.presets import PRESETS
+from mlafx.config.sparse_attention import SPARSE_KEYS, SPARSE_MODEL_TYPES, parse_indexer
 
 
 class ConfigError(ValueError):
@@ -38,6 +39,10 @@ _FAMILIES = {
     # transformers runs these with DeepSeek-V3's modelling code (config names aside)
     "sarvam_mla": "deepseek_v3",
     "youtu": "deepseek_v3",  # every layer a dense MLP, tied embeddings by default
+    # DSA sparse attention (``config/sparse_attention.py``): V3 and GLM-4.7-Flash layers with an
+    # indexer that picks the keys each query attends to
+    "deepseek_v32": "deepseek_v3",
+    "glm_moe_dsa": "deepseek_v3",
 }
 # transformers' MLA model types mlafx cannot serve yet, and what each needs (a model type not
 # listed anywhere is refused as unknown).
@@ -66,8 +71,9 @@ UNSUPPORTED_MLA_MODEL_TYPES = {
     "kimi_linear": "KDA linear-attention layers (a hybrid: 3 of 4 layers are not MLA)",
     "deepseek_v4": "compressed sparse attention, sliding windows, sinks, mHC and hash MoE",
 }
-# Sparse-attention (DSA) model types: same latent cache, but an indexer picks the keys.
-_SPARSE_MODEL_TYPES = {"deepseek_v32", "glm_moe_dsa", "glm5"}
+# Sparse-attention model types refused: a DSA variant mlafx does not serve (any other config
+# with ``index_topk`` is refused too).
+_SPARSE_MODEL_TYPES = {"glm5"}
 
 # Router defaults per family when config.json is silent (transformers' behaviour).
 _ROUTER_DEFAULTS = {
@@ -80,9 +86,9 @@ _ROUTER_DEFAULTS = {
 # What each family's transformers config assumes when config.json is silent (a hub config may
 # rely on them): tied embeddings, RoPE pairs (interleaved) or NeoX halves.
 _TIE_DEFAULTS = {"minicpm3": True, "youtu": True}  # by model_type
-# Families whose modelling code fixes the RoPE layout whatever config.json says: MiniCPM3
-# rotates NeoX halves (Llama's ``apply_rotary_pos_emb``).
-_FIXED_ROPE_INTERLEAVE = {"minicpm3": False}
+# Model types whose modelling code fixes the RoPE layout whatever config.json says: MiniCPM3
+# rotates NeoX halves (Llama's ``apply_rotary_pos_emb``), the DSA models interleaved pairs.
+_FIXED_ROPE_INTERLEAVE = {"minicpm3": False, "deepseek_v32": True, "glm_moe_dsa": True}
 
 ScoringFunc = Literal["softmax", "sigmoid"]
 TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
@@ -227,6 +233,15 @@ class ModelConfig:
     attention_blocks: int = 1
     n_zero_experts: int = 0
     router_bias: bool = False
+    # DSA sparse attention (DeepSeek-V3.2, GLM-5; 0 / () elsewhere): a layer whose
+    # ``indexer_types`` entry is "full" runs its lightning indexer (``index_n_heads`` heads of
+    # ``index_head_dim``, RoPE on its first R dims, interleaved or NeoX halves) and attends to
+    # the ``index_topk`` keys it scores highest; a "shared" layer reuses the last full layer's
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    indexer_types: tuple[str, ...] = ()
+    indexer_rope_interleave: bool = False
 
     # ----- derived quantities (never stored twice) -----
     @property
@@ -249,9 +264,34 @@ class ModelConfig:
         return scale
 
     @property
-    def num_cache_layers(self) -> int:
-        """Latent caches: one per MLA block (``attention_blocks`` per decoder layer)."""
+    def num_mla_blocks(self) -> int:
+        """MLA blocks: ``attention_blocks`` per decoder layer."""
         return self.num_hidden_layers * self.attention_blocks
+
+    @property
+    def sparse_attention(self) -> bool:
+        """DSA: an indexer picks the keys of each query (``index_topk`` > 0)."""
+        return self.index_topk > 0
+
+    def runs_indexer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` runs its own DSA indexer (has an indexer cache)."""
+        return self.sparse_attention and self.indexer_types[layer] == "full"
+
+    def layer_cache_widths(self, layer: int) -> tuple[int, ...]:
+        """Row widths of decoder layer ``layer``'s caches, in step order: one latent cache
+        (Lkv + R) per MLA block, then the indexer's keys (``index_head_dim``) if it runs one."""
+        latent = (self.latent_width,) * self.attention_blocks
+        return latent + ((self.index_head_dim,) if self.runs_indexer(layer) else ())
+
+    @property
+    def cache_widths(self) -> tuple[int, ...]:
+        """Row width of every cache of the step, layer by layer (``layer_cache_widths``)."""
+        return tuple(w for i in range(self.num_hidden_layers) for w in self.layer_cache_widths(i))
+
+    @property
+    def num_caches(self) -> int:
+        """Paged caches the step reads and writes (``cache_widths``)."""
+        return len(self.cache_widths)
 
     @property
     def num_router_choices(self) -> int:
@@ -380,6 +420,7 @@ _READ_KEYS = {
     "num_experts",
     "num_shared_experts",
     "q_head_dim",
+    *SPARSE_KEYS,
 }
 
 
@@ -506,10 +547,10 @@ def _mlp_layer_types(cfg: dict[str, Any], num_layers: int, moe: bool) -> tuple[s
 def _parse(cfg: dict[str, Any]) -> ModelConfig:
     model_type = cfg.get("model_type")
     sparse = model_type in _SPARSE_MODEL_TYPES or cfg.get("index_topk") is not None
-    if sparse and model_type not in UNSUPPORTED_MLA_MODEL_TYPES:
+    if sparse and model_type not in UNSUPPORTED_MLA_MODEL_TYPES | SPARSE_MODEL_TYPES.keys():
         raise ConfigError(
-            f"model_type {model_type!r} uses DSA sparse attention (config field 'index_topk'), "
-            "which mlafx does not support yet"
+            f"model_type {model_type!r} uses sparse attention (config field 'index_topk'), "
+            f"which mlafx serves only as {' and '.join(SPARSE_MODEL_TYPES)} define it"
         )
     if model_type in UNSUPPORTED_MLA_MODEL_TYPES:
         raise ConfigError(
@@ -646,7 +687,9 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
         rope_theta=theta,
         rope_scaling=yarn,
         # DeepSeek-V2 is always interleaved; V3/GLM configs may switch to NeoX halves.
-        rope_interleave=_FIXED_ROPE_INTERLEAVE.get(family, bool(cfg.get("rope_interleave", True))),
+        rope_interleave=_FIXED_ROPE_INTERLEAVE.get(
+            model_type, bool(cfg.get("rope_interleave", True))
+        ),
         tie_word_embeddings=bool(
             cfg.get("tie_word_embeddings", _TIE_DEFAULTS.get(model_type, False))
         ),
@@ -657,7 +700,16 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
         n_zero_experts=n_zero,
         router_bias=bool(cfg.get("router_bias", False)) and family == "longcat_flash",
         **_scalings(cfg, family, dims),
+        **_sparse_fields(cfg, model_type, dims),
         **dims,
+    )
+
+
+def _sparse_fields(cfg: dict[str, Any], model_type: str, dims: dict[str, int]) -> dict[str, Any]:
+    if model_type not in SPARSE_MODEL_TYPES:
+        return {}
+    return parse_indexer(
+        cfg, model_type, dims["num_hidden_layers"], dims["qk_rope_head_dim"], ConfigError
     )
 
 
@@ -688,7 +740,7 @@ _LONGCAT_RENAMES = {
 def _longcat_keys(cfg: dict[str, Any]) -> dict[str, Any]:
     """A ``longcat_flash`` config in the DeepSeek terms ``_parse`` reads: ``num_layers``
     decoder layers of two MLA blocks each (``num_hidden_layers`` here counts decoder layers;
-    ``ModelConfig.num_cache_layers`` the blocks), every layer with its shortcut MoE, the router
+    ``ModelConfig.num_mla_blocks`` the blocks), every layer with its shortcut MoE, the router
     a softmax over routed + zero experts, chosen with the correction bias (noaux_tc in one
     group), no renormalisation, no shared experts; RoPE theta 1e7 when the config has none."""
     hidden, layers = cfg.get("num_hidden_layers"), cfg.get("num_layers")

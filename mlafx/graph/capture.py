@@ -282,8 +282,8 @@ def sample_step(model: MLAForCausalLM, block_size: int) -> tuple[StepInputs, lis
     cfg = model.config
     dtype = model.dtype
     caches = [
-        torch.zeros(num_sample_blocks(block_size), block_size, cfg.latent_width, dtype=dtype)
-        for _ in range(cfg.num_cache_layers)
+        torch.zeros(num_sample_blocks(block_size), block_size, width, dtype=dtype)
+        for width in cfg.cache_widths
     ]
     return sample_step_inputs(block_size, cfg.vocab_size), caches
 
@@ -291,5 +291,5 @@ def sample_step(model: MLAForCausalLM, block_size: int) -> tuple[StepInputs, lis
 def capture_step(model: MLAForCausalLM, block_size: int) -> ExportedProgram:
     """The model's step as an ExportedProgram (pre-dispatch ATen IR, dynamic extents)."""
     sample, caches = sample_step(model, block_size)
-    dynamic = step_dynamic_shapes(model.config.num_cache_layers)
+    dynamic = step_dynamic_shapes(model.config.num_caches)
     return _export(model, sample.args(caches), dynamic)

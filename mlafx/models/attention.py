@@ -58,6 +58,27 @@ class MLAttention(nn.Module):
         key_slots: torch.Tensor,  # [K] int64
         mask: torch.Tensor,  # [T, K] bool, True = may attend
     ) -> torch.Tensor:
+        return self.attend(x, self.q_latent(x), cos, sin, cache, slot_mapping, key_slots, mask)
+
+    def q_latent(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``q_a_layernorm(q_a_proj(x))`` [T, Lq] (None without a q LoRA): q_b_proj's input,
+        which a DSA indexer reads too."""
+        if self.cfg.q_lora_rank is None:
+            return None
+        return self.q_a_layernorm(self.q_a_proj(x))
+
+    def attend(
+        self,
+        x: torch.Tensor,  # [T, D]
+        q_latent: torch.Tensor | None,  # [T, Lq] (``q_latent(x)``)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        key_slots: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """The attention of ``forward`` given the q LoRA's output."""
         cfg = self.cfg
         num_tokens, h = x.shape[0], cfg.num_attention_heads
         lkv, r, p, v_dim = (
@@ -67,10 +88,7 @@ class MLAttention(nn.Module):
             cfg.v_head_dim,
         )
 
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
         q_nope, q_pe = q.view(num_tokens, h, p + r).split([p, r], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([lkv, r], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)

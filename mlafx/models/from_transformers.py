@@ -22,7 +22,6 @@ import torch
 from mlafx.config import ModelConfig
 from mlafx.models.checkpoint_keys import text_model_key
 from mlafx.models.deepseek import MLAForCausalLM
-from mlafx.models.moe import Router
 
 
 def model_from_transformers(
@@ -56,9 +55,7 @@ def model_from_transformers(
         if tensor.device.type != "cpu":
             raise ValueError(f"{name} is on {tensor.device}; mlafx serves on the CPU")
     model.load_state_dict(state, strict=True, assign=True)
-    for module in model.modules():
-        if isinstance(module, Router):
-            module.float()  # copies only the (small) router weights
+    model.keep_float32()  # copies only the (small) router and indexer head weights
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.reset_rope()  # the only non-persistent buffer, still on the meta device

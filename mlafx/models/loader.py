@@ -24,7 +24,6 @@ from mlafx.models.block_fp8_checkpoint import (
 )
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.gguf_checkpoint import install_gguf_modules, load_gguf, plan_gguf
-from mlafx.models.moe import Router
 from mlafx.models.packed_int4_checkpoint import (
     install_packed_modules,
     load_packed_int4,
@@ -95,9 +94,7 @@ def build_model(
     with torch.device("meta"):
         model = MLAForCausalLM(cfg)
     model.to(torch_dtype(dtype))
-    for module in model.modules():
-        if isinstance(module, Router):
-            module.float()
+    model.keep_float32()
     if load_format == "auto" and is_gguf(model_dir):
         return _build_from_gguf(model, cfg, model_dir, progress, quantization)
     packed = None

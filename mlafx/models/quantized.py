@@ -4,7 +4,8 @@ tensor by tensor as the weights load, so the full-precision model never exists a
 What is quantized (``QUANTIZED``): every ``nn.Linear`` over a checkpoint weight — q/kv_a/o
 projections, dense MLPs, shared experts, lm_head — and the routed experts' fused stacks.
 What is not:
-- the router (``moe.Router``, fp32: routing decisions are discontinuous) and the norms;
+- the router (``moe.Router``, fp32: routing decisions are discontinuous), a DSA indexer's
+  ``weights_proj`` (fp32 too: it weighs the scores that pick the keys) and the norms;
 - the embedding (a row lookup: it reads one row per token, never the whole table);
 - ``kv_b_proj``: decode never reads it (it is absorbed into ``W_UK`` / ``W_UV^T``, derived
   constants the attention kernels read in the model dtype), only the split prefill path's
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 Quantization = Literal["int8", "int4"]
 QUANTIZATIONS = tuple(BITS)
 # Linears kept in the model dtype, by module name (see the module docstring).
-_KEPT = ("kv_b_proj",)
+_KEPT = ("kv_b_proj", "weights_proj")
 
 
 def check_quantization(quantization: str | None) -> int | None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mlafx.models.deepseek import DecoderLayer
+from mlafx.models.decoder_layer import DecoderLayer
 from mlafx.models.longcat import LongcatDecoderLayer
 
 

@@ -39,7 +39,6 @@ import torch
 
 from mlafx.config import ModelConfig
 from mlafx.models.deepseek import MLAForCausalLM
-from mlafx.models.moe import Router
 
 
 def check_shardable(cfg: ModelConfig, world_size: int) -> None:
@@ -112,9 +111,7 @@ def shard_model(full: MLAForCausalLM, rank: int, world_size: int) -> MLAForCausa
     with torch.device("meta"):
         shard = MLAForCausalLM(cfg)
     shard.to(full.lm_head.weight.dtype)
-    for module in shard.modules():
-        if isinstance(module, Router):
-            module.float()
+    shard.keep_float32()
     shard.to_empty(device="cpu")
     if cfg.tie_word_embeddings:
         shard.lm_head.weight = shard.model.embed_tokens.weight

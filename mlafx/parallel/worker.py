@@ -85,15 +85,11 @@ class _Rank:
         del full
         collectives.install_all_reduce(self.model)
         self.step_fn: Any = self.model
-        # The latent cache has no head axis: every rank holds (and writes) the full rows.
+        # The caches have no head axis: every rank holds (and writes) the full rows (the DSA
+        # indexer is replicated, not sharded).
         self.caches = [
-            torch.zeros(
-                spec.num_blocks,
-                spec.block_size,
-                spec.config.latent_width,
-                dtype=torch_dtype(spec.dtype),
-            )
-            for _ in range(spec.config.num_cache_layers)
+            torch.zeros(spec.num_blocks, spec.block_size, width, dtype=torch_dtype(spec.dtype))
+            for width in spec.config.cache_widths
         ]
 
     def compile(self) -> float:

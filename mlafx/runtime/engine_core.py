@@ -66,11 +66,11 @@ class EngineCore:
         self.key_rows = step_fn.reads_key_rows
         self.block_size = block_size
         self.max_model_len = max_model_len
-        # One cache tensor per MLA block (per layer; LongCat-Flash: two per layer):
-        # [num_blocks, block_size, Lkv + R], no head axis.
+        # The paged caches, [num_blocks, block_size, width] each with no head axis: a latent
+        # cache (Lkv + R) per MLA block, and a DSA indexer's keys (``ModelConfig.cache_widths``);
+        # all share the block ids and block tables.
         self.kv_caches = [
-            torch.zeros(num_blocks, block_size, config.latent_width, dtype=dtype)
-            for _ in range(config.num_cache_layers)
+            torch.zeros(num_blocks, block_size, width, dtype=dtype) for width in config.cache_widths
         ]
         self.blocks = BlockManager(num_blocks, enable_prefix_caching=enable_prefix_caching)
         self.stats = EngineStats()
