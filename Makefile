@@ -52,9 +52,11 @@ $(STAMPS)/system-deps: Makefile
 test: install system-deps
 	$(PY) -m pytest -q tests
 
+# ruff, then mypy on the package (its settings: pyproject.toml [tool.mypy])
 lint: install
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
 
 # Build outputs and the install stamp; keeps .venv (see distclean).
 clean:

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-import mlafx
 from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES
 from mlafx.parallel import TensorParallelError
 from mlafx.runtime import LLM, RequestOutput, SamplingParams
 from mlafx.runtime.kv_connector.base import KVConnectorError
+from mlafx.runtime.sampling_params import RequestMetrics
 
 
 def demo_prompts() -> list[list[int]]:
@@ -223,6 +223,7 @@ def llm_from_artifact(args: argparse.Namespace, **serving: Any) -> LLM:
         seed=args.seed,
         **serving,
     )
+    assert llm.artifact is not None
     args.dtype, args.block_size = llm.artifact.dtype, llm.block_size
     return llm
 
@@ -236,8 +237,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         model = EMBEDDED_DEFAULT_MODEL
         overrides = {**EMBEDDED_DEFAULT_OVERRIDES, **(overrides or {})}
         load_format = load_format or "dummy"
+    from mlafx.export.artifact import export
+
     start = time.perf_counter()
-    manifest = mlafx.export(
+    manifest = export(
         model,
         args.output,
         args.format,
@@ -265,9 +268,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def summarize(outputs: list[RequestOutput], wall_seconds: float) -> dict[str, Any]:
     """Per-request TTFT, and decode throughput over the whole batch."""
-    ttft = [o.metrics.time_to_first_token for o in outputs if o.metrics]
-    first = min(o.metrics.first_token_time for o in outputs if o.metrics)
-    last = max(o.metrics.finished_time for o in outputs if o.metrics)
+    metrics = [finished_metrics(o) for o in outputs]
+    ttft = [_known(m.time_to_first_token) for m in metrics]
+    first = min(_known(m.first_token_time) for m in metrics)
+    last = max(_known(m.finished_time) for m in metrics)
     decode_tokens = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
     return {
         "ttft_s": ttft,
@@ -276,6 +280,20 @@ def summarize(outputs: list[RequestOutput], wall_seconds: float) -> dict[str, An
         "decode_tokens_per_s": decode_tokens / (last - first) if last > first else float("nan"),
         "wall_s": wall_seconds,
     }
+
+
+def finished_metrics(output: RequestOutput) -> RequestMetrics:
+    """The metrics of a finished request (``LLM.generate`` sets them on every output)."""
+    if output.metrics is None:
+        raise RuntimeError(f"request {output.request_id} has no metrics")
+    return output.metrics
+
+
+def _known(value: float | None) -> float:
+    """A milestone time a finished request has (it produced at least one token)."""
+    if value is None:
+        raise RuntimeError("a finished request lacks a milestone time")
+    return value
 
 
 def prefix_reuse_demo(
@@ -299,11 +317,11 @@ def prefix_reuse_demo(
     return {
         "prompt_len": len(prompt),
         "kv_connector": serving["kv_connector"],
-        "cold_ttft_s": cold.metrics.time_to_first_token,
+        "cold_ttft_s": finished_metrics(cold).time_to_first_token,
         "prefix_hit_cached_tokens": again.num_cached_tokens,
-        "prefix_hit_ttft_s": again.metrics.time_to_first_token,
+        "prefix_hit_ttft_s": finished_metrics(again).time_to_first_token,
         "external_hit_tokens": external_tokens,
-        "external_hit_ttft_s": external.metrics.time_to_first_token,
+        "external_hit_ttft_s": finished_metrics(external).time_to_first_token,
         "same_tokens": all(r.outputs[0].token_ids == cold.outputs[0].token_ids for r in runs),
     }
 
@@ -346,8 +364,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                             "token_ids": o.outputs[0].token_ids,
                             "finish_reason": o.outputs[0].finish_reason,
                             "num_cached_tokens": o.num_cached_tokens,
-                            "ttft_s": o.metrics.time_to_first_token,
-                            "tpot_s": o.metrics.time_per_output_token,
+                            "ttft_s": finished_metrics(o).time_to_first_token,
+                            "tpot_s": finished_metrics(o).time_per_output_token,
                         }
                         for o in outputs
                     ],
@@ -375,9 +393,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"(per prompt: {', '.join(f'{t * 1e3:.1f}' for t in stats['ttft_s'])} ms)"
     )
     print(f"decode: {stats['decode_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tokens/s")
-    tpot = [o.metrics.time_per_output_token for o in outputs]
-    if all(t is not None for t in tpot):
-        print(f"time per output token: median {statistics.median(tpot) * 1e3:.1f} ms")
+    tpot = [finished_metrics(o).time_per_output_token for o in outputs]
+    known = [t for t in tpot if t is not None]
+    if len(known) == len(tpot):
+        print(f"time per output token: median {statistics.median(known) * 1e3:.1f} ms")
     print(
         f"engine: prefix cache hit rate {metrics['prefix_cache_hit_rate']:.1%}, external "
         f"hits {metrics['external_hit_tokens']} tokens "
@@ -405,6 +424,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     args.num_kv_blocks = args.num_kv_blocks or num_sample_blocks(args.block_size)
     args.compile = False  # the reference model, which inspect captures and lowers itself
     llm = build_llm(args)
+    assert llm.model is not None  # compile=False: the reference model
     start = time.perf_counter()
     captured = capture_step(llm.model, args.block_size)
     capture_seconds = time.perf_counter() - start

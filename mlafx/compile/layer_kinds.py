@@ -15,7 +15,8 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
-from mlafx.models.decoder_layer import DecoderLayer
+from torch import nn
+
 from mlafx.models.deepseek import MLAForCausalLM
 
 
@@ -26,7 +27,7 @@ class LayerKind:
     layers: tuple[int, ...]  # the model's layers of this kind, ascending
 
 
-def layer_structure(layer: DecoderLayer) -> dict[str, object]:
+def layer_structure(layer: nn.Module) -> dict[str, object]:
     """What a layer's graph is specialised on besides the config."""
     tensors = [
         (name, tuple(t.shape), str(t.dtype))
@@ -36,11 +37,12 @@ def layer_structure(layer: DecoderLayer) -> dict[str, object]:
         )
     ]
     modules = [(name, type(m).__qualname__) for name, m in layer.named_modules()]
-    all_reduce = None if layer.all_reduce is None else str(layer.all_reduce)
+    all_reduce = getattr(layer, "all_reduce", None)  # set on tensor-parallel shards
+    all_reduce = None if all_reduce is None else str(all_reduce)
     return {"tensors": tensors, "modules": modules, "all_reduce": all_reduce}
 
 
-def layer_signature(layer: DecoderLayer) -> str:
+def layer_signature(layer: nn.Module) -> str:
     facts = json.dumps(layer_structure(layer), sort_keys=True, default=str)
     return hashlib.sha256(facts.encode()).hexdigest()
 

@@ -210,7 +210,7 @@ def gguf_resident_bytes(gguf: GgufFile, size_of: int) -> int:
     model dtype (``models/gguf_checkpoint.py``)."""
     total = 0.0
     for tensor in gguf.tensors.values():
-        per = size_of
+        per: float = size_of
         if tensor.name.endswith(_FP32_TENSORS):
             per = 4
         elif not any(part in tensor.name for part in _MODEL_DTYPE_TENSORS):

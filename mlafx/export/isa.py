@@ -56,7 +56,7 @@ def isa_flags(flags: set[str]) -> set[str]:
 
 def _compile_flags(package: Path) -> tuple[str, list[str]]:
     """The package's ``AOTI_CPU_ISA`` and the gcc flags of its kernel compile command."""
-    isa, flags = "", []
+    isa, flags = "", list[str]()
     with zipfile.ZipFile(package) as archive:
         for name in archive.namelist():
             if name.endswith("wrapper_metadata.json"):

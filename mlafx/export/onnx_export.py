@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils import _pytree as pytree
 
 from mlafx.compile.compiled_step import LoweredGraph
 from mlafx.export.functional_step import check, make_functional, write_rows
-from mlafx.graph.capture import sample_step, step_dynamic_shapes
+from mlafx.graph.capture import sample_step, size_oblivious, step_dynamic_shapes
+from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.safetensors_file import StoredTensor, tensor_locations
 from mlafx.passes.derived_constants import source_of
 
@@ -37,7 +38,7 @@ _SAFETENSORS_DTYPE = {"F32": 1, "I32": 6, "I64": 7, "F16": 10, "BF16": 16}  # on
 
 
 def export_onnx(
-    lowered: LoweredGraph, model: torch.nn.Module, block_size: int, directory: Path, weights: str
+    lowered: LoweredGraph, model: MLAForCausalLM, block_size: int, directory: Path, weights: str
 ) -> dict[str, Any]:
     """Write ``directory/step.onnx`` (weights referenced in ``directory/weights``); returns
     the manifest's ``step`` facts."""
@@ -59,7 +60,7 @@ def export_onnx(
         report.max_abs_output_diff,
     )
     num_layers = len(caches)
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
+    with size_oblivious(), torch.no_grad():
         program = torch.export.export(
             functional,
             lowered.sample_args,
@@ -70,11 +71,12 @@ def export_onnx(
     onnx_program = torch.onnx.export(
         program,
         dynamo=True,
-        custom_translation_table=translation_table(),
+        custom_translation_table=cast(Any, translation_table()),
         opset_version=OPSET,
         optimize=False,  # folding would copy derived weights (W_UK views...) into the model
         verbose=False,
     )
+    assert onnx_program is not None  # torch.onnx.export returns the program with dynamo=True
     tmp = directory / "step.tmp.onnx"
     onnx_program.save(str(tmp), external_data=True)
     proto = onnx.load(str(tmp), load_external_data=False)

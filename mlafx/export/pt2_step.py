@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mlafx.compile.compiled_step import LoweredGraph
-from mlafx.graph.capture import step_dynamic_shapes
+from mlafx.graph.capture import size_oblivious, step_dynamic_shapes
 from mlafx.passes.derived_constants import with_derived_constants
 
 PT2_FILE = "step.pt2"
@@ -44,10 +44,10 @@ def step_weight_names(step: torch.fx.GraphModule) -> list[str]:
 def export_pt2(lowered: LoweredGraph, directory: Path) -> dict[str, Any]:
     """Write ``directory/step.pt2``; returns the manifest's ``step`` facts."""
     step = lowered.lowering.graph
-    state = dict(step.named_parameters(remove_duplicate=False))
+    state: dict[str, torch.Tensor] = dict(step.named_parameters(remove_duplicate=False))
     state.update(step.named_buffers(remove_duplicate=False))
     dynamic = step_dynamic_shapes(len(lowered.sample_args[2]))
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
+    with size_oblivious(), torch.no_grad():
         program = torch.export.export(
             _StepWithWeights(step),
             (state, *lowered.sample_args),
@@ -77,7 +77,7 @@ class Pt2Step:
         self.module = torch.export.load(path).module()
         # The host builds the inputs to the step ABI. torch's own input check refuses a
         # size 0 for an extent exported as ``s + 1`` (an empty sub-batch's cu_seqlens).
-        self.module.validate_inputs = False
+        setattr(self.module, "validate_inputs", False)  # noqa: B010  (not a declared attribute)
         self.weights = {name: weights[name] for name in names}
 
     def __call__(

@@ -28,8 +28,9 @@ def save_weights(constants: dict[str, torch.Tensor], path: Path) -> dict[str, st
     for name, tensor in constants.items():
         tensor = tensor.detach()
         ptr = tensor.untyped_storage().data_ptr()
-        view = (ptr, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
-        view += (tensor.dtype,)
+        view = (
+            ptr, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+        )  # fmt: skip
         if view in by_view:
             aliases[name] = by_view[view]
             continue

@@ -97,18 +97,21 @@ def quantize_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
         return q.to(torch.int16), d
     index = groups.abs().argmax(-1, keepdim=True)
     peak = groups.gather(-1, index)  # the value of largest magnitude, with its sign
-    best_q = best_d = best_err = None
+    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     for c in INT4_DIVISORS:
         d = (peak / c).to(torch.float16).float()
         q = torch.where(d != 0, torch.round(groups / d), 0.0).clamp(-8, 7)
         err = ((groups - d * q) ** 2).sum(-1, keepdim=True)
-        if best_err is None:
-            best_q, best_d, best_err = q, d, err
+        if best is None:
+            best = q, d, err
             continue
+        best_q, best_d, best_err = best
         better = err < best_err
         best_q = torch.where(better, q, best_q)
         best_d = torch.where(better, d, best_d)
-        best_err = torch.where(better, err, best_err)
+        best = best_q, best_d, torch.where(better, err, best_err)
+    assert best is not None  # INT4_DIVISORS is not empty
+    best_q, best_d, _ = best
     return (best_q + 8).to(torch.int16), best_d.squeeze(-1).to(torch.float16)
 
 

@@ -27,6 +27,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ from mlafx.config.stored_quantization import BlockFp8
 from mlafx.kernels.fp8_format import dequantize_fp8, scale_shape
 from mlafx.models.checkpoint_keys import text_model_tensors
 from mlafx.models.fp8 import Fp8Experts, Fp8Linear
+from mlafx.models.layers import submodule
 from mlafx.models.moe import RoutedExperts
 from mlafx.models.packed_int4_checkpoint import CheckpointReader, replace_module
 from mlafx.models.safetensors_file import StoredTensor
@@ -146,13 +148,13 @@ def plan_block_fp8(
         expert = _EXPERT.match(name)
         if expert is not None and isinstance(owned.get(expert.group(1)), RoutedExperts):
             stack, e, part = expert.group(1), int(expert.group(2)), expert.group(3)
-            num, two_i, d = owned[stack].gate_up_proj.shape
+            num, two_i, d = submodule(model, stack, RoutedExperts).gate_up_proj.shape
             if e >= num:
                 plan.skipped += 1
                 continue
             n, k = (d, two_i // 2) if part == "down" else (two_i // 2, d)
-            target = plan.experts.setdefault(stack, {})
-            key = (e, part)
+            target: dict[Any, _Fp8] = plan.experts.setdefault(stack, {})
+            key: Any = (e, part)
         elif isinstance(owned.get(name), nn.Linear):
             linear = owned[name]
             n, k = linear.out_features, linear.in_features
@@ -168,7 +170,7 @@ def plan_block_fp8(
         if not found:
             target[key] = _Fp8(name, entry["weight"], entry["weight_scale_inv"], n, k)
     for stack, parts in plan.experts.items():
-        num = owned[stack].gate_up_proj.shape[0]
+        num = submodule(model, stack, RoutedExperts).gate_up_proj.shape[0]
         absent = [
             f"{stack}.{e}.{p}_proj"
             for e in range(num)
@@ -206,7 +208,7 @@ def install_fp8_modules(model: nn.Module, plan: Fp8Plan) -> None:
             model, name, Fp8Linear(weight, _meta(scale_shape(n, k, block), torch.float32), block)
         )
     for stack in plan.experts:
-        e, two_i, d = model.get_submodule(stack).gate_up_proj.shape
+        e, two_i, d = submodule(model, stack, RoutedExperts).gate_up_proj.shape
         i = two_i // 2
         gate_rows, d_blocks = scale_shape(i, d, block)
         experts = Fp8Experts(
@@ -229,17 +231,17 @@ def load_block_fp8(model: nn.Module, plan: Fp8Plan, *, progress: bool = True) ->
     try:
         with torch.no_grad(), bar:
             for name, fp8 in plan.linears.items():
-                module = model.get_submodule(name)
+                module = submodule(model, name, Fp8Linear)
                 module.weight = reader.read(fp8.weight)  # stays mapped from the file
                 module.weight_scale_inv = reader.read(fp8.scale).clone()
                 bar.update()
             for name, fp8 in plan.dequantized.items():
-                linear = model.get_submodule(name)
+                linear = submodule(model, name, nn.Linear)
                 full = dequantize_fp8(reader.read(fp8.weight), reader.read(fp8.scale), block)
                 linear.weight = nn.Parameter(full.to(linear.weight.dtype), requires_grad=False)
                 bar.update()
             for stack, parts in plan.experts.items():
-                _load_experts(model.get_submodule(stack), parts, reader)
+                _load_experts(submodule(model, stack, Fp8Experts), parts, reader)
                 bar.update()
     finally:
         reader.close()

@@ -22,6 +22,9 @@ class Fp8Linear(nn.Module):
     """``nn.Linear`` (no bias) over ``weight`` float8_e4m3fn [out, in] and ``weight_scale_inv``
     float32 [ceil(out/bn), ceil(in/bk)], ``block = (bn, bk)``."""
 
+    weight: torch.Tensor  # buffers (annotated: nn.Module's __getattr__ is typed loosely)
+    weight_scale_inv: torch.Tensor
+
     def __init__(
         self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, block: tuple[int, int]
     ) -> None:
@@ -44,6 +47,11 @@ class Fp8Experts(nn.Module):
     """``RoutedExperts`` over block FP8 stacks (``fp8_format``'s expert layout):
     ``gate_up_weight`` [E, 2I, D] with ``gate_up_scale`` [E, 2 ceil(I/bn), ceil(D/bk)], and
     ``down_weight`` [E, D, I] with ``down_scale`` [E, ceil(D/bn), ceil(I/bk)]."""
+
+    gate_up_weight: torch.Tensor  # buffers
+    gate_up_scale: torch.Tensor
+    down_weight: torch.Tensor
+    down_scale: torch.Tensor
 
     def __init__(
         self,

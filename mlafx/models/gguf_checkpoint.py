@@ -43,6 +43,7 @@ from mlafx.kernels.quant_format import (
     repack_ggml,
     stack_packed_rows,
 )
+from mlafx.models.layers import submodule
 from mlafx.models.packed_int4_checkpoint import CheckpointReader, replace_module
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 from mlafx.models.safetensors_file import map_bytes
@@ -230,15 +231,16 @@ def plan_gguf(model: nn.Module, gguf: GgufFile, cfg: ModelConfig) -> GgufPlan:
         linear = modules.get(owner)
         leaf = owner.rpartition(".")[2]
         is_weight = key.endswith(".weight") and isinstance(linear, nn.Linear)
-        bits = GGML_LOSSLESS_BITS.get(source.type_name)
+        lossless = GGML_LOSSLESS_BITS.get(source.type_name)
         if (
-            is_weight
+            isinstance(linear, nn.Linear)
+            and is_weight
             and leaf not in _KEPT
-            and bits
+            and lossless
             and linear.bias is None
             and key != "model.embed_tokens.weight"
         ):
-            plan.linears.append(_Repack(owner, (source,), bits[0]))
+            plan.linears.append(_Repack(owner, (source,), lossless[0]))
             continue
         plan.fills.append(_Fill(key, (source,)))
         if is_weight and leaf not in _KEPT and source.type_name not in _PLAIN:
@@ -433,10 +435,10 @@ def load_gguf(model: nn.Module, plan: GgufPlan, cfg: ModelConfig, *, progress: b
     try:
         with torch.no_grad(), bar:
             for r in plan.linears:
-                _repack_linear(model.get_submodule(r.module), reader, r)
+                _repack_linear(submodule(model, r.module, QuantizedLinear), reader, r)
                 bar.update()
             for r in plan.experts:
-                _repack_experts(model.get_submodule(r.module), reader, r)
+                _repack_experts(submodule(model, r.module, QuantizedExperts), reader, r)
                 bar.update()
             for f in plan.fills:
                 _fill(model, f, reader, cfg)

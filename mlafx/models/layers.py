@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,3 +53,15 @@ def scale_logits_input(h: torch.Tensor, divisor: float) -> torch.Tensor:
     """The final norm's output divided by ``divisor`` before ``lm_head`` (MiniCPM3's
     ``hidden_size / dim_model_base``)."""
     return h if divisor == 1.0 else h / divisor
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def submodule(model: nn.Module, name: str, kind: type[M]) -> M:
+    """``model.get_submodule(name)``, which must be a ``kind`` (``TypeError`` naming it
+    otherwise)."""
+    module = model.get_submodule(name)
+    if not isinstance(module, kind):
+        raise TypeError(f"{name} is a {type(module).__name__}, not a {kind.__name__}")
+    return module

@@ -13,6 +13,7 @@ from mlafx.config.gguf_file import GgufFile, is_gguf, open_gguf
 from mlafx.config.model_config import load_hf_config_dict
 from mlafx.config.stored_quantization import (
     BlockFp8,
+    PackedInt4,
     StoredQuantization,
     stored_quantization,
 )
@@ -25,6 +26,7 @@ from mlafx.models.block_fp8_checkpoint import (
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.gguf_checkpoint import install_gguf_modules, load_gguf, plan_gguf
 from mlafx.models.packed_int4_checkpoint import (
+    PackedPlan,
     install_packed_modules,
     load_packed_int4,
     plan_packed_int4,
@@ -89,28 +91,32 @@ def build_model(
 
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format {load_format!r} is not supported; use 'auto' or 'dummy'")
-    if load_format == "auto" and model_dir is None:
-        raise ValueError("load_format='auto' needs a model directory with safetensors weights")
     with torch.device("meta"):
         model = MLAForCausalLM(cfg)
     model.to(torch_dtype(dtype))
     model.keep_float32()
-    if load_format == "auto" and is_gguf(model_dir):
-        return _build_from_gguf(model, cfg, model_dir, progress, quantization)
-    packed = None
+    checkpoint = None
     if load_format == "auto":
-        stored = servable_stored_quantization(model_dir)
+        if model_dir is None:
+            raise ValueError("load_format='auto' needs a model directory with safetensors weights")
+        checkpoint = Path(model_dir)
+        if is_gguf(checkpoint):
+            return _build_from_gguf(model, cfg, checkpoint, progress, quantization)
+    packed: Fp8Plan | PackedPlan | None = None
+    if checkpoint is not None:
+        stored = servable_stored_quantization(checkpoint)
         if isinstance(stored, BlockFp8):
-            files = checkpoint_files(Path(model_dir))
-            packed = plan_block_fp8(model, files, cfg.num_hidden_layers, stored)
-            install_fp8_modules(model, packed)
-        elif stored is not None:
-            files = checkpoint_files(Path(model_dir))
-            packed = plan_packed_int4(model, files, cfg.num_hidden_layers, stored)
-            install_packed_modules(model, packed)
+            fp8 = plan_block_fp8(model, checkpoint_files(checkpoint), cfg.num_hidden_layers, stored)
+            install_fp8_modules(model, fp8)
+            packed = fp8
+        elif isinstance(stored, PackedInt4):
+            files = checkpoint_files(checkpoint)
+            int4 = plan_packed_int4(model, files, cfg.num_hidden_layers, stored)
+            install_packed_modules(model, int4)
+            packed = int4
     quantizer = None if quantization is None else Quantizer(model, quantization)
     on_filled = None if quantizer is None else quantizer.finish
-    if load_format == "dummy":
+    if checkpoint is None:
         init_dummy_weights(model, seed=seed, on_filled=on_filled)
     else:
         elsewhere = None
@@ -118,7 +124,7 @@ def build_model(
             elsewhere = Elsewhere(frozenset(packed.keys), frozenset(packed.targets()))
         load_safetensors_weights(
             model,
-            Path(model_dir),
+            checkpoint,
             num_hidden_layers=cfg.num_hidden_layers,
             progress=progress,
             on_filled=on_filled,

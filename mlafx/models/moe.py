@@ -25,6 +25,8 @@ from mlafx.models.layers import SwiGLU
 
 
 class Router(nn.Module):
+    e_score_correction_bias: torch.Tensor  # a buffer (noaux_tc routers)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg

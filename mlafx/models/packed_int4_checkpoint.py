@@ -45,6 +45,7 @@ from mlafx.kernels.quant_format import (
     repack_compressed_int4,
 )
 from mlafx.models.checkpoint_keys import text_model_tensors
+from mlafx.models.layers import submodule
 from mlafx.models.moe import RoutedExperts
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 from mlafx.models.safetensors_file import StoredTensor, map_stored
@@ -150,8 +151,7 @@ def plan_packed_int4(
         expert = _EXPERT.match(name)
         if expert is not None and isinstance(owned.get(expert.group(1)), RoutedExperts):
             stack, e, part = expert.group(1), int(expert.group(2)), expert.group(3)
-            experts = owned[stack]
-            num, two_i, d = experts.gate_up_proj.shape
+            num, two_i, d = submodule(model, stack, RoutedExperts).gate_up_proj.shape
             if e >= num:
                 plan.skipped += 1
                 continue
@@ -168,13 +168,13 @@ def plan_packed_int4(
             problems.append(f"{name}.weight_packed: no such linear or expert in the model")
             continue
         problems += _check_parts(name, parts, n, k, fmt)
-    for stack, parts in plan.experts.items():
-        num = owned[stack].gate_up_proj.shape[0]
+    for stack, stack_parts in plan.experts.items():
+        num = submodule(model, stack, RoutedExperts).gate_up_proj.shape[0]
         absent = [
             f"{stack}.{e}.{p}_proj"
             for e in range(num)
             for p in ("gate", "up", "down")
-            if (e, p) not in parts
+            if (e, p) not in stack_parts
         ]
         if absent:
             problems.append(
@@ -200,7 +200,7 @@ def install_packed_modules(model: nn.Module, plan: PackedPlan) -> None:
         meta = torch.empty(shape, dtype=torch.uint8, device="meta")
         replace_module(model, name, QuantizedLinear(packed.in_features, packed.out_features, meta))
     for stack in plan.experts:
-        num, two_i, d = model.get_submodule(stack).gate_up_proj.shape
+        num, two_i, d = submodule(model, stack, RoutedExperts).gate_up_proj.shape
         i = two_i // 2
         gate_up = torch.empty((num, *packed_shape(two_i, d, 4)), dtype=torch.uint8, device="meta")
         down = torch.empty((num, *packed_shape(d, i, 4)), dtype=torch.uint8, device="meta")
@@ -270,27 +270,27 @@ def load_packed_int4(model: nn.Module, plan: PackedPlan, *, progress: bool = Tru
     try:
         with torch.no_grad(), bar:
             for name, packed in plan.linears.items():
-                module = model.get_submodule(name)
+                module = submodule(model, name, QuantizedLinear)
                 out = torch.empty(module.qweight.shape, dtype=torch.uint8)
                 _repack_into(out, reader, packed, plan.fmt)
                 module.qweight = out
                 bar.update()
             for name, packed in plan.dequantized.items():
-                linear = model.get_submodule(name)
+                linear = submodule(model, name, nn.Linear)
                 weight, scale = _tensors(reader, packed)
                 full = dequantize_compressed_int4(weight, scale, packed.in_features,
                                                   plan.fmt.group_size)  # fmt: skip
                 linear.weight = nn.Parameter(full.to(linear.weight.dtype), requires_grad=False)
                 bar.update()
             for stack, parts in plan.experts.items():
-                module = model.get_submodule(stack)
-                gate_up = torch.empty(module.gate_up_qweight.shape, dtype=torch.uint8)
-                down = torch.empty(module.down_qweight.shape, dtype=torch.uint8)
+                experts = submodule(model, stack, QuantizedExperts)
+                gate_up = torch.empty(experts.gate_up_qweight.shape, dtype=torch.uint8)
+                down = torch.empty(experts.down_qweight.shape, dtype=torch.uint8)
                 for e in range(gate_up.shape[0]):
                     _repack_gate_up(gate_up[e], reader, parts[(e, "gate")], parts[(e, "up")],
                                     plan.fmt)  # fmt: skip
                     _repack_into(down[e], reader, parts[(e, "down")], plan.fmt)
-                module.gate_up_qweight, module.down_qweight = gate_up, down
+                experts.gate_up_qweight, experts.down_qweight = gate_up, down
                 bar.update()
     finally:
         reader.close()

@@ -56,6 +56,8 @@ class QuantizedLinear(nn.Module):
     """``nn.Linear`` (no bias) over a packed int8/int4 weight ``qweight``
     [ceil(out/16), ceil(in/32), S] uint8."""
 
+    qweight: torch.Tensor  # a buffer
+
     def __init__(self, in_features: int, out_features: int, qweight: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -71,6 +73,9 @@ class QuantizedLinear(nn.Module):
 class QuantizedExperts(nn.Module):
     """``RoutedExperts`` over packed weights: ``gate_up_qweight`` [E, ceil(2I/16), ceil(D/32), S]
     and ``down_qweight`` [E, ceil(D/16), ceil(I/32), S]."""
+
+    gate_up_qweight: torch.Tensor  # buffers
+    down_qweight: torch.Tensor
 
     def __init__(self, intermediate_size: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         super().__init__()
@@ -114,7 +119,7 @@ def moe_experts_quantized_reference(
 
 def quantization_targets(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     """Full-precision tensor name -> (owner module name, owner) for everything quantized."""
-    targets = {}
+    targets: dict[str, tuple[str, nn.Module]] = {}
     for name, module in model.named_modules():
         leaf = name.rpartition(".")[2]
         if isinstance(module, nn.Linear) and leaf not in _KEPT:
@@ -177,6 +182,7 @@ class Quantizer:
                 packed = quantize_stack(tensor, self.bits)
                 current = getattr(parent, leaf)
                 if not isinstance(current, QuantizedExperts):
+                    assert isinstance(owner, RoutedExperts)
                     e, two_i, d = owner.gate_up_proj.shape
                     meta = torch.empty(0, device="meta")
                     current = QuantizedExperts(two_i // 2, meta, meta)

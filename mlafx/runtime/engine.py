@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -169,6 +169,7 @@ class LLM:
                 "were chosen when it was exported)"
             )
         source = artifact_source(path, engine)
+        assert source.artifact is not None
         options = ServingOptions(block_size=source.artifact.block_size, **serving)
         cfg = source.config
         check_fits_in_memory(
@@ -363,10 +364,10 @@ class LLM:
     def _as_prompt_list(self, prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         if isinstance(prompts, str):
             return [prompts]
-        prompts = list(prompts)
-        if prompts and all(isinstance(t, int) for t in prompts):
-            return [prompts]  # a single prompt of token ids
-        return prompts
+        items = list(prompts)
+        if items and all(isinstance(t, int) for t in items):
+            return [cast(list[int], items)]  # a single prompt of token ids
+        return cast(list[Prompt], items)
 
     def _make_requests(self, prompt: Prompt, params: SamplingParams, index: int) -> list[Request]:
         """The engine requests of one prompt: one per copy (``params.num_copies``); the

@@ -74,7 +74,7 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str]) -> A
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     vocab = {token: index for index, token in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [(left, right) for left, _, right in (m.partition(" ") for m in merges)]
     tokenizer = Tokenizer(models.BPE(vocab, pairs, ignore_merges=False))
     tokenizer.decoder = decoders.ByteLevel()
     added = [

@@ -181,9 +181,11 @@ class Scheduler:
         self.blocks.touch(held)
         request.blocks = hits + self.blocks.allocate(needed)
         if rows:
+            assert self.copy_rows is not None  # partial-block hits need it
             self.copy_rows(source, request.blocks[len(hits)], rows)
             self.blocks.free([source])
         if num_external:
+            assert self.kv_transfer is not None  # external hits come from it
             external_blocks = request.blocks[len(hits) : len(hits) + num_external]
             loaded = self.kv_transfer.load(
                 keys[: len(hits) + num_external], len(hits), external_blocks

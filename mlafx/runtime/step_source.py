@@ -144,7 +144,7 @@ def model_source(
     """The step of a preset or checkpoint: tensor-parallel workers, or the model built here
     and served as it is (``compile=False``) or captured, lowered and compiled."""
     checkpoint = None if model in PRESETS else model
-    text = {
+    text: dict[str, Any] = {
         "tokenizer": None if checkpoint is None else load_tokenizer(checkpoint),
         "chat_template": None if checkpoint is None else load_chat_template(checkpoint),
     }
@@ -191,14 +191,17 @@ def artifact_source(path: str | Path, engine: str | None) -> StepSource:
     from mlafx.export.artifact import load_artifact
 
     loaded = load_artifact(path, engine)
-    tokenizer = load_tokenizer(loaded.tokenizer_dir) if loaded.tokenizer_dir else None
+    directory = loaded.tokenizer_dir
+    tokenizer = None if directory is None else load_tokenizer(directory)
     return StepSource(
         loaded.config,
         loaded.dtype,
         loaded.step,
         artifact=loaded,
         tokenizer=tokenizer,
-        chat_template=load_chat_template(loaded.tokenizer_dir) if tokenizer else None,
+        chat_template=(
+            None if directory is None or tokenizer is None else load_chat_template(directory)
+        ),
     )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -211,6 +212,6 @@ class EngineLoop:
         """Abort every routed request and hand ``error`` to its submission."""
         failed = {id(s): s for s, _ in self._routes.values()}
         for request_id in list(self._routes):
-            self._run_command(lambda rid=request_id: self._abort(rid))
+            self._run_command(functools.partial(self._abort, request_id))
         for submission in failed.values():
             submission._push(error)

@@ -12,7 +12,7 @@ template (``runtime/chat_template.py``).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -162,7 +162,7 @@ class CompletionRequest(SamplingFields):
             return [prompt]
         if prompt and all(isinstance(p, list | str) for p in prompt):
             return list(prompt)  # type: ignore[arg-type]
-        return [list(prompt)]  # token ids (or [], which the engine refuses as empty)
+        return [cast(list[int], list(prompt))]  # token ids (or [], which the engine refuses)
 
     def sampling_params(self, max_model_len: int) -> SamplingParams:
         """``max_tokens=None`` means as many as the model length allows (the engine stops

@@ -17,7 +17,7 @@ from mlafx.runtime.kv_connector.base import (
 )
 from mlafx.runtime.kv_connector.disk import DiskStore
 from mlafx.runtime.kv_connector.redis_store import RedisStore
-from mlafx.runtime.kv_connector.store_connector import StoreConnector
+from mlafx.runtime.kv_connector.store_connector import ChunkStore, StoreConnector
 
 ACCEPTED_FORMS = "disk:PATH or redis://HOST:PORT[/DB]"
 
@@ -48,7 +48,7 @@ def make_connector(
         path = spec.removeprefix("disk:")
         if not path:
             raise KVConnectorError(f"KV connector {spec!r} has no path; expected disk:PATH")
-        store = DiskStore(path, fingerprint)
+        store: ChunkStore = DiskStore(path, fingerprint)
     elif spec.startswith("redis://"):
         store = RedisStore(spec, fingerprint)
     else:

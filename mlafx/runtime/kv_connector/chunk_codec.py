@@ -89,9 +89,10 @@ def decode_chunk(spec: ChunkSpec, data: bytes) -> list[torch.Tensor]:
         tensors = st_load(data)
     except Exception as e:  # safetensors raises its own error type for bad buffers
         raise ChunkDecodeError(f"unreadable safetensors data: {e}") from e
-    layers = [tensors.get(f"layer.{i}") for i in range(len(spec.row_widths))]
-    if len(tensors) != len(layers) or any(layer is None for layer in layers):
+    names = [f"layer.{i}" for i in range(len(spec.row_widths))]
+    if sorted(tensors) != sorted(names):
         raise ChunkDecodeError(f"tensor names {sorted(tensors)} are not layer.0..")
+    layers = [tensors[name] for name in names]
     _check_layers(spec, layers)
     if _checksum(layers) != stored.get("sha256"):
         raise ChunkDecodeError("checksum mismatch")

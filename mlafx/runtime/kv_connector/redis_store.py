@@ -67,7 +67,9 @@ class RedisStore:
 
     def get(self, name: str) -> bytes | None:
         try:
-            return self.client.get(self.prefix + name)
+            value = self.client.get(self.prefix + name)
+            assert value is None or isinstance(value, bytes)  # a client without decoding
+            return value
         except redis.RedisError as e:
             log.warning("KV store %s: cannot read %s: %s", self, name, e)
             return None
