@@ -12,6 +12,8 @@ the selection's visibility (causal, own sequence) and GLM-5's shared layers.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -94,18 +96,26 @@ def selection_margins(monkeypatch) -> list[float]:
     return margins
 
 
+# The compiled variant: every layer MoE, so GLM-5's full and shared layers are the two layer
+# kinds to compile (the dense first layer would add a third of the same attention)
+COMPILED_OVERRIDES = {"mlp_layer_types": ["sparse"] * 3}
+
+
 @pytest.mark.parametrize(
-    "name, tensor_parallel_size",
-    [(name, 1) for name in sorted(CONFIGS)] + [("glm_moe_dsa", 2)],
-    ids=[*sorted(CONFIGS), "glm_moe_dsa-tp2"],
+    "name, tensor_parallel_size, compiled",
+    [(name, 1, False) for name in sorted(CONFIGS)]
+    + [("glm_moe_dsa", 2, False), ("glm_moe_dsa", 1, True)],
+    ids=[*sorted(CONFIGS), "glm_moe_dsa-tp2", "glm_moe_dsa-compiled"],
 )
 def test_greedy_tokens_and_logprobs_match_transformers(
-    name, tensor_parallel_size, tmp_path, monkeypatch
+    name, tensor_parallel_size, compiled, tmp_path, monkeypatch
 ):
     """Chunked prefills, decodes and a prefix hit; with two tensor-parallel ranks (heads split,
-    the indexer replicated: each rank selects the same keys) too."""
+    the indexer replicated: each rank selects the same keys) too; and compiled (the indexer
+    and the attention lowered onto ``dsa_indexer_topk`` and ``mla_attention_sparse``)."""
     overrides = {"num_attention_heads": 4, "num_key_value_heads": 4}
-    reference = make_checkpoint(name, tmp_path, **(overrides if tensor_parallel_size > 1 else {}))
+    overrides = overrides if tensor_parallel_size > 1 else {}
+    reference = make_checkpoint(name, tmp_path, **(COMPILED_OVERRIDES if compiled else overrides))
     margins = selection_margins(monkeypatch)
     llm = mlafx.LLM(
         str(tmp_path),
@@ -114,13 +124,15 @@ def test_greedy_tokens_and_logprobs_match_transformers(
         num_kv_blocks=256,
         max_num_batched_tokens=64,  # the long prompts are served in chunks
         progress=False,
-        compile=False,
+        compile=compiled,
         tensor_parallel_size=tensor_parallel_size,
     )
     try:
         assert_serves_like_transformers(llm, reference, name)
     finally:
         llm.close()
+    if compiled:  # the engine's selections were made by the op: check the reference's
+        margins = reference_selection_margins(tmp_path, monkeypatch)
     if tensor_parallel_size == 1:  # the ranks' selections are made in their own processes
         assert margins, "the indexer never left a key out: the test does not exercise selection"
         assert min(margins) > 1e-5, (
@@ -199,7 +211,61 @@ def test_a_transformers_object_is_adopted_without_copies():
     assert got.token_ids[:1] == want[:1]
 
 
-def test_compiling_a_dsa_model_is_refused_with_the_way_to_serve_it(tmp_path):
+def reference_selection_margins(checkpoint, monkeypatch) -> list[float]:
+    """``selection_margins`` of mlafx's reference model serving the test's prompts."""
+    margins = selection_margins(monkeypatch)
+    llm = mlafx.LLM(str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=256,
+                    progress=False, compile=False)  # fmt: skip
+    llm.generate([*PROMPTS, PREFIX_HIT_PROMPT], mlafx.SamplingParams(max_tokens=NEW_TOKENS))
+    return margins
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_dsa_block_is_lowered(name):
+    """Each layer kind's MLA site is found with its selection (the layer's own indexer op, or
+    a shared layer's input), lowered onto the sparse ops, and verifies against the captured
+    layer; ``index_topk`` 4 so that the sample's queries (up to 11 keys) do leave keys out."""
+    from mlafx.compile.compiled_step import lower_layer
+    from mlafx.compile.layer_kinds import layer_kinds
+    from mlafx.models.loader import build_model
+
+    cfg = ModelConfig.from_hf_dict(CONFIGS[name]().to_dict(), {"index_topk": 4})
+    model = build_model(cfg, "float32", "dummy")
+    kinds = layer_kinds(model)
+    assert len(kinds) == (3 if name == "glm_moe_dsa" else 2)  # dense, MoE (shared, full)
+    for kind in kinds:
+        result = lower_layer(model, kind, block_size=4).lowering
+        assert result.refusals == [] and result.verify_error is None, kind.name
+        (site,) = result.sites
+        own = cfg.runs_indexer(kind.layers[0])
+        assert site.selected.name == ("dsa_indexer_topk" if own else "selected"), kind.name
+        (lowering,) = result.lowerings
+        assert lowering.absorbed.count("mlafx::mla_attention_sparse") == 1 and not lowering.split
+        ops = {str(n.target) for n in result.graph.graph.nodes}
+        assert ("mlafx.dsa_indexer_topk.default" in ops) == own
+        assert "aten.scaled_dot_product_attention.default" not in ops
+
+
+def test_onnx_export_of_a_dsa_model_is_refused(tmp_path):
+    make_checkpoint("glm_moe_dsa", tmp_path / "checkpoint")
+    with pytest.raises(ValueError, match="aoti or pt2"):
+        mlafx.export(str(tmp_path / "checkpoint"), tmp_path / "onnx", "onnx", dtype="float32")
+
+
+def test_inspect_shows_the_indexer_and_the_sparse_attention(tmp_path, capsys):
+    """``mlafx inspect`` of a GLM-5 checkpoint: the captured step holds an indexer op per full
+    layer, and every site (the shared layer's too) is lowered onto the sparse attention."""
+    from mlafx.cli import main
+
     make_checkpoint("glm_moe_dsa", tmp_path)
-    with pytest.raises(NotImplementedError, match="compile=False"):
-        mlafx.LLM(str(tmp_path), dtype="float32", num_kv_blocks=16, progress=False)
+    argv = ["inspect", "--model", str(tmp_path), "--dtype", "float32", "--block-size", "4"]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [s["layer"] for s in report["sites"]] == [0, 1, 2]
+    for site in report["sites"]:
+        assert site["paths"]["absorbed"] == [
+            "mlafx::batched_matmul", "mlafx::mla_attention_sparse", "mlafx::batched_matmul",
+        ] and site["paths"]["split"] == []  # fmt: skip
+    assert report["verify"]["ok"] and report["refused"] == []
+    captured = report["stages"][0]["ops"]
+    assert captured["mlafx.dsa_indexer_topk.default"] == 2  # layers 0 and 2 run an indexer

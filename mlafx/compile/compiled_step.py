@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ from mlafx.graph.capture import (
     layer_dynamic_shapes,
     sample_layer,
     sample_step,
+    size_oblivious,
     step_dynamic_shapes,
 )
 from mlafx.models.deepseek import MLAForCausalLM, caches_by_layer
@@ -67,18 +69,6 @@ log = logging.getLogger(__name__)
 
 class LoweringError(RuntimeError):
     """The lowered graph failed verification: compiling it would serve wrong results."""
-
-
-def check_compilable(config: ModelConfig) -> None:
-    """Raise ``NotImplementedError`` for a model the passes cannot lower yet: DSA sparse
-    attention (its indexer and the sparse attention have ops, not yet a lowering), which the
-    reference model serves (``compile=False``)."""
-    if config.sparse_attention:
-        raise NotImplementedError(
-            f"{config.model_type} (DSA sparse attention) cannot be compiled yet: the passes do "
-            "not lower its indexer and sparse attention. Serve it with the reference model: "
-            "LLM(..., compile=False) or --no-compile"
-        )
 
 
 def default_cache_dir() -> Path:
@@ -174,9 +164,9 @@ def _checked(lowering: LoweringResult, what: str) -> LoweringResult:
 
 
 def _export(
-    graph: torch.nn.Module, args: tuple, dynamic_shapes: object
+    graph: torch.nn.Module, args: tuple, dynamic_shapes: Any
 ) -> torch.export.ExportedProgram:
-    with torch.fx.experimental._config.patch(backed_size_oblivious=True), torch.no_grad():
+    with size_oblivious(), torch.no_grad():
         return torch.export.export(graph, args, dynamic_shapes=dynamic_shapes, strict=False)
 
 
@@ -187,7 +177,7 @@ def lower_layer(
     lowered graph with the step's dynamic extents. Raises ``LoweringError`` when verification
     fails, unless ``allow_unlowered`` (then the program is the captured layer)."""
     start = time.perf_counter()
-    sample = sample_layer(model, block_size)
+    sample = sample_layer(model, block_size, kind.layers[0])
     captured = capture_layer(model, kind.layers[0], block_size)
     lowering = lower_step_graph(
         captured.module(), sample, sample.caches, time.perf_counter() - start
@@ -202,7 +192,7 @@ def lower_layer(
     else:
         _checked(lowering, f"layer kind {kind.name} (layers {list(kind.layers)})")
     args = sample.args(sample.caches)
-    dynamic = layer_dynamic_shapes(len(sample.caches))
+    dynamic = layer_dynamic_shapes(len(sample.caches), selection=sample.selected is not None)
     return LoweredGraph(_export(lowering.graph, args, dynamic), lowering, args)
 
 
@@ -210,7 +200,6 @@ def lower_step(model: MLAForCausalLM, block_size: int) -> LoweredGraph:
     """Capture the whole step, run the MLA passes, verify (``LoweringError`` on failure) and
     re-export the lowered graph with the step's dynamic extents: the program the pt2 and ONNX
     artifacts start from."""
-    check_compilable(model.config)
     start = time.perf_counter()
     sample, caches = sample_step(model, block_size)
     captured = capture_step(model, block_size)
@@ -408,8 +397,15 @@ class CompiledStep:
         meta_leaves = [getattr(meta, f.name) for f in fields(meta)]
         cfg = self.config
         x = scale_embedding(F.embedding(input_ids, self.embedding), cfg.embedding_scale)
-        for runner, own in zip(self.layers, caches_by_layer(cfg, caches), strict=True):
-            (x,) = runner.run_flat([x, positions, cos, sin, *own, *meta_leaves])
+        selected: list[torch.Tensor] = []  # DSA: the last full layer's selection
+        for layer, (runner, own) in enumerate(
+            zip(self.layers, caches_by_layer(cfg, caches), strict=True)
+        ):
+            shared = cfg.sparse_attention and not cfg.runs_indexer(layer)
+            x, *out = runner.run_flat(
+                [x, positions, cos, sin, *own, *meta_leaves, *(selected if shared else [])]
+            )
+            selected = out or selected
         h = rms_norm(x.index_select(0, logits_indices), self.final_norm, cfg.rms_norm_eps)
         h = scale_logits_input(h, cfg.logits_divisor)
         if self.lm_head_qweight is not None:
@@ -429,7 +425,6 @@ def compile_step(
     for each of its layers. ``release_replaced_weights``: the model gives up the weights the
     compiled step does not read (they become meta tensors: the model no longer runs
     eagerly), for an engine that serves only the compiled step."""
-    check_compilable(model.config)
     start = time.perf_counter()
     packages = [
         layer_package(model, kind, block_size, cache_dir, allow_unlowered=allow_unlowered)

@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from mlafx.config.presets import PRESETS
 from mlafx.config.sparse_attention import SPARSE_KEYS, SPARSE_MODEL_TYPES, parse_indexer
@@ -307,7 +307,9 @@ class ModelConfig:
     @property
     def mla_q_scale(self) -> float:
         """LongCat-Flash scales q by ``sqrt(D / Lq)`` (1 elsewhere)."""
-        return (self.hidden_size / self.q_lora_rank) ** 0.5 if self.shortcut_moe else 1.0
+        if not self.shortcut_moe or self.q_lora_rank is None:
+            return 1.0
+        return (self.hidden_size / self.q_lora_rank) ** 0.5
 
     @property
     def mla_latent_scale(self) -> float:
@@ -679,8 +681,8 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
         mlp_layer_types=_mlp_layer_types(cfg, dims["num_hidden_layers"], moe),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        scoring_func=scoring,
-        topk_method=method,
+        scoring_func=cast(ScoringFunc, scoring),
+        topk_method=cast(TopkMethod, method),
         n_group=n_group,
         topk_group=topk_group,
         rms_norm_eps=eps,
@@ -701,7 +703,7 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
         router_bias=bool(cfg.get("router_bias", False)) and family == "longcat_flash",
         **_scalings(cfg, family, dims),
         **_sparse_fields(cfg, model_type, dims),
-        **dims,
+        **cast(dict[str, Any], dims),
     )
 
 
@@ -780,7 +782,7 @@ def _longcat_keys(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _scalings(cfg: dict[str, Any], family: str, dims: dict[str, int]) -> dict[str, float]:
+def _scalings(cfg: dict[str, Any], family: str, dims: dict[str, int]) -> dict[str, Any]:
     """MiniCPM3's embedding, residual and logits scalings (transformers' defaults when
     config.json is silent: 12, 1.4 / sqrt(L), hidden_size / 256; None means no scaling)."""
     if family != "minicpm3":

@@ -139,6 +139,12 @@ def export_model(
     if format == "onnx":
         _check_onnx_dtype(dtype)
         _check_onnx_quantization(is_quantized(model), is_fp8(model))
+        if model.config.sparse_attention:
+            raise ValueError(
+                f"ONNX export of {model.config.model_type} (DSA sparse attention) is not "
+                "supported: its indexer top-k and sparse attention have no onnxruntime "
+                "translation; export it as aoti or pt2"
+            )
     staging = output.with_name(f".{output.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -148,7 +154,7 @@ def export_model(
         cpu: dict[str, Any] = {"required_flags": []}  # portable unless compiled code ships
         if format == "aoti":
             with _phase("AOTInductor packages, one per layer kind (compiled unless cached)"):
-                step = {"layer_kinds": []}
+                step: dict[str, Any] = {"layer_kinds": []}
                 for k, kind in enumerate(layer_kinds(model)):
                     package = layer_package(model, kind, block_size, compile_cache_dir)
                     shutil.copyfile(package.package, staging / f"layer-{k}.pt2")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,6 +37,7 @@ from torch.export import Dim, ExportedProgram
 
 from mlafx.models.attention_path import AttentionPath
 from mlafx.models.deepseek import MLAForCausalLM
+from mlafx.models.dsa import DsaDecoderLayer, Indexer
 from mlafx.models.fp8 import Fp8Experts, Fp8Linear
 from mlafx.models.moe import RoutedExperts
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
@@ -129,8 +131,9 @@ def step_dynamic_shapes(num_layers: int) -> dict[str, object]:
     }
 
 
-def layer_dynamic_shapes(num_caches: int) -> dict[str, object]:
-    """:class:`LayerStep`'s inputs: the step's extents, the layer's caches."""
+def layer_dynamic_shapes(num_caches: int, *, selection: bool = False) -> dict[str, object]:
+    """:class:`LayerStep`'s inputs: the step's extents, the layer's caches (and the selection
+    a :class:`SharedSelectionLayerStep` takes)."""
     t = Dim("T")
     return {
         "x": {0: t},
@@ -139,6 +142,7 @@ def layer_dynamic_shapes(num_caches: int) -> dict[str, object]:
         "sin": {0: t},
         "caches": [{0: Dim("NB")}] * num_caches,
         "meta": _meta_dynamic_shapes(t),
+        **({"selected": {0: t}} if selection else {}),
     }
 
 
@@ -147,12 +151,14 @@ class LayerStep(nn.Module):
     kind (layers of one kind share the graph and each runs it with its own weights):
 
         (x [T, D], positions [T], cos, sin [T, R/2] float32,
-         caches: one [NB, BS, Lkv+R] per MLA block of the layer (mutated), meta) -> x [T, D]
+         caches: the layer's (``ModelConfig.layer_cache_widths``, mutated), meta) -> x [T, D]
 
-    The key slots and the mask the reference attention reads are derived from ``meta`` here,
-    as the whole model's forward derives them once per step (dead code once lowered)."""
+    A DSA layer that runs its indexer returns ``(x, selected [T, index_topk] int64)``; a
+    "shared" one takes the selection (:class:`SharedSelectionLayerStep`). The key slots and
+    the mask the reference attention reads are derived from ``meta`` here, as the whole
+    model's forward derives them once per step (dead code once lowered)."""
 
-    def __init__(self, layer: nn.Module) -> None:  # a DecoderLayer or LongcatDecoderLayer
+    def __init__(self, layer: nn.Module) -> None:  # a DecoderLayer, Longcat- or DsaDecoderLayer
         super().__init__()
         self.layer = layer
 
@@ -164,9 +170,53 @@ class LayerStep(nn.Module):
         sin: torch.Tensor,
         caches: list[torch.Tensor],
         meta: StepMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self._run(x, positions, cos, sin, caches, meta, None)
+
+    def _run(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: list[torch.Tensor],
+        meta: StepMetadata,
+        selected: torch.Tensor | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         key_slots, mask = key_slots_and_mask(meta, positions, caches[0].shape[1])
-        return self.layer(x, cos, sin, caches, meta.slot_mapping, key_slots, mask)
+        if not isinstance(self.layer, DsaDecoderLayer):
+            return self.layer(x, cos, sin, caches, meta.slot_mapping, key_slots, mask)
+        x, selected = self.layer(
+            x, cos, sin, caches, meta.slot_mapping, key_slots, mask, meta, positions, selected
+        )
+        return x if self.layer.self_attn.indexer is None else (x, selected)
+
+
+class SharedSelectionLayerStep(LayerStep):
+    """A GLM-5 "shared" DSA layer: ``LayerStep``'s inputs plus the last full layer's
+    ``selected [T, index_topk]`` int64; returns x."""
+
+    def forward(  # type: ignore[override]
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        caches: list[torch.Tensor],
+        meta: StepMetadata,
+        selected: torch.Tensor,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self._run(x, positions, cos, sin, caches, meta, selected)
+
+
+def takes_selection(layer: nn.Module) -> bool:
+    """Whether ``layer`` is a DSA layer without its own indexer (it reads another's)."""
+    return isinstance(layer, DsaDecoderLayer) and layer.self_attn.indexer is None
+
+
+def layer_step(layer: nn.Module) -> LayerStep:
+    """The step function of decoder layer ``layer`` (its selection input if it takes one)."""
+    return SharedSelectionLayerStep(layer) if takes_selection(layer) else LayerStep(layer)
 
 
 LAYER_PREFIX = "layer."  # LayerStep's parameter names are the decoder layer's, behind this
@@ -180,7 +230,9 @@ class LayerSample:
     x: torch.Tensor  # [T, D] model dtype
     cos: torch.Tensor
     sin: torch.Tensor
-    caches: list[torch.Tensor]  # zeroed, one per MLA block, just large enough for the sample
+    caches: list[torch.Tensor]  # zeroed, the layer's, just large enough for the sample
+    # a shared DSA layer's input: every visible position (at most index_topk) of each query
+    selected: torch.Tensor | None = None
 
     @property
     def meta(self) -> StepMetadata:
@@ -188,37 +240,53 @@ class LayerSample:
 
     def args(self, caches: list[torch.Tensor]) -> tuple:
         """:class:`LayerStep`'s arguments around the layer's caches."""
-        return (self.x, self.step.positions, self.cos, self.sin, list(caches), self.step.meta)
+        args = (self.x, self.step.positions, self.cos, self.sin, list(caches), self.step.meta)
+        return args if self.selected is None else (*args, self.selected)
 
 
-def sample_layer(model: MLAForCausalLM, block_size: int, seed: int = 0) -> LayerSample:
+def sample_layer(
+    model: MLAForCausalLM, block_size: int, layer: int = 0, seed: int = 0
+) -> LayerSample:
+    """The sample input of decoder layer ``layer`` (its caches; its selection if it takes
+    one)."""
     cfg = model.config
     dtype = model.dtype
     step = sample_step_inputs(block_size, cfg.vocab_size)
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(len(step.positions), cfg.hidden_size, generator=generator).to(dtype)
     cos, sin = rope_cos_sin(step.positions, model.rope_inv_freq, model.rope_scale)
-    shape = (num_sample_blocks(block_size), block_size, cfg.latent_width)
-    caches = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.attention_blocks)]
-    return LayerSample(step, x, cos, sin, caches)
+    caches = [
+        torch.zeros(num_sample_blocks(block_size), block_size, width, dtype=dtype)
+        for width in cfg.layer_cache_widths(layer)
+    ]
+    selected = None
+    if takes_selection(model.model.layers[layer]):
+        first = torch.arange(cfg.index_topk)[None, :]
+        selected = torch.where(first <= step.positions[:, None], first, -1)
+    return LayerSample(step, x, cos, sin, caches, selected)
 
 
 def capture_layer(model: MLAForCausalLM, layer: int, block_size: int) -> ExportedProgram:
     """Decoder layer ``layer`` of ``model`` as a :class:`LayerStep` ExportedProgram (its
     weights are the layer's own tensors: nothing is copied)."""
-    sample = sample_layer(model, block_size)
-    module = LayerStep(model.model.layers[layer])
-    return _export(module, sample.args(sample.caches), layer_dynamic_shapes(len(sample.caches)))
+    sample = sample_layer(model, block_size, layer)
+    module = layer_step(model.model.layers[layer])
+    dynamic = layer_dynamic_shapes(len(sample.caches), selection=sample.selected is not None)
+    return _export(module, sample.args(sample.caches), dynamic)
 
 
-def _export(module: nn.Module, args: tuple, dynamic_shapes: object) -> ExportedProgram:
+def size_oblivious() -> contextlib.AbstractContextManager[None]:
+    """torch.fx's ``backed_size_oblivious`` on for the block: every export of a step runs
+    under it, so that sizes 0 and 1 are not specialised away."""
+    from torch.fx.experimental import _config
+
+    return cast(Any, _config).patch(backed_size_oblivious=True)  # installed at import time
+
+
+def _export(module: nn.Module, args: tuple, dynamic_shapes: Any) -> ExportedProgram:
     """Non-strict export under ``backed_size_oblivious``, routed experts and quantized linears
     as custom ops."""
-    with (
-        kernels_as_custom_ops(),
-        torch.fx.experimental._config.patch(backed_size_oblivious=True),
-        torch.no_grad(),
-    ):
+    with kernels_as_custom_ops(), size_oblivious(), torch.no_grad():
         return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
 
 
@@ -245,6 +313,16 @@ def _fp8_experts_forward(self, x, topk_ids, topk_weights):  # type: ignore[no-un
     )  # fmt: skip
 
 
+def _indexer_select(self, q, k, weights, cache, key_slots, mask, meta, positions):  # type: ignore[no-untyped-def]  # noqa: E501
+    rope, dim = self.cfg.qk_rope_head_dim, self.cfg.index_head_dim
+    rot, rest = k.split([rope, dim - rope], dim=-1)
+    torch.ops.mlafx.write_latent_cache(rot, rest, cache, meta.slot_mapping)
+    return torch.ops.mlafx.dsa_indexer_topk(
+        q, weights * dim**-0.5, cache, meta.block_table, meta.kv_lens, meta.query_start_loc,
+        positions, self.cfg.index_topk,
+    )  # fmt: skip
+
+
 def _fp8_linear_forward(self, x):  # type: ignore[no-untyped-def]
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.mlafx.linear_fp8(rows, self.weight, self.weight_scale_inv, *self.block, None)
@@ -254,27 +332,30 @@ def _fp8_linear_forward(self, x):  # type: ignore[no-untyped-def]
 @contextlib.contextmanager
 def kernels_as_custom_ops() -> Iterator[None]:
     """Within this block every ``RoutedExperts`` runs ``mlafx::moe_experts`` (its data-dependent
-    dispatch does not trace), and the quantized modules run their kernels
+    dispatch does not trace), the quantized modules run their kernels
     (``mlafx::linear_quantized``, ``mlafx::moe_experts_quantized``, ``mlafx::linear_fp8``,
     ``mlafx::moe_experts_fp8``: the same semantics as their eager reference, which dequantizes
-    whole weights)."""
+    whole weights), and a DSA ``Indexer`` writes its keys with ``mlafx::write_latent_cache`` and
+    selects with ``mlafx::dsa_indexer_topk`` over the paged indexer cache (a data-dependent
+    top-k the reference computes over every key row)."""
     import mlafx.kernels  # noqa: F401  (registers the ops and their fakes)
 
     patched = (
-        (RoutedExperts, _experts_forward),
-        (QuantizedExperts, _quantized_experts_forward),
-        (QuantizedLinear, _quantized_linear_forward),
-        (Fp8Experts, _fp8_experts_forward),
-        (Fp8Linear, _fp8_linear_forward),
+        (RoutedExperts, "forward", _experts_forward),
+        (QuantizedExperts, "forward", _quantized_experts_forward),
+        (QuantizedLinear, "forward", _quantized_linear_forward),
+        (Fp8Experts, "forward", _fp8_experts_forward),
+        (Fp8Linear, "forward", _fp8_linear_forward),
+        (Indexer, "select", _indexer_select),
     )
-    originals = [(cls, cls.forward) for cls, _ in patched]
-    for cls, forward in patched:
-        cls.forward = forward
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patched]
+    for cls, name, method in patched:
+        setattr(cls, name, method)
     try:
         yield
     finally:
-        for cls, forward in originals:
-            cls.forward = forward
+        for cls, name, method in originals:
+            setattr(cls, name, method)
 
 
 def sample_step(model: MLAForCausalLM, block_size: int) -> tuple[StepInputs, list[torch.Tensor]]:

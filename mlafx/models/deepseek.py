@@ -39,6 +39,7 @@ class Backbone(nn.Module):
 class MLAForCausalLM(nn.Module):
     # StepFn: the reference attention derives its key slots and mask from the flat key rows
     reads_key_rows = True
+    rope_inv_freq: torch.Tensor  # a buffer
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -88,7 +89,7 @@ class MLAForCausalLM(nn.Module):
         for layer, own in zip(self.model.layers, caches_by_layer(cfg, caches), strict=True):
             if cfg.sparse_attention:
                 x, selected = layer(
-                    x, cos, sin, own, meta.slot_mapping, key_slots, mask, meta, selected
+                    x, cos, sin, own, meta.slot_mapping, key_slots, mask, meta, positions, selected
                 )
             else:
                 x = layer(x, cos, sin, own, meta.slot_mapping, key_slots, mask)

@@ -55,23 +55,37 @@ class Indexer(nn.Module):
         cos: torch.Tensor,  # [T, R/2] float32
         sin: torch.Tensor,
         cache: torch.Tensor,  # [NB, BS, Di], mutated
-        slot_mapping: torch.Tensor,  # [T] int64
         key_slots: torch.Tensor,  # [K] int64
         mask: torch.Tensor,  # [T, K] bool, True = visible
-        key_positions: torch.Tensor,  # [K] int64
+        meta: StepMetadata,
+        positions: torch.Tensor,  # [T] int64
     ) -> torch.Tensor:  # [T, k] int64 selected positions
-        cfg = self.cfg
-        heads, dim = cfg.index_n_heads, cfg.index_head_dim
-        q = self.wq_b(q_latent).view(x.shape[0], heads, dim)
-        q = self._rotated(q, cos, sin)
+        heads, dim = self.cfg.index_n_heads, self.cfg.index_head_dim
+        q = self._rotated(self.wq_b(q_latent).view(x.shape[0], heads, dim), cos, sin)
         k = self._rotated(self.k_norm(self.wk(x)), cos, sin)
+        return self.select(q, k, self.head_weights(x), cache, key_slots, mask, meta, positions)
+
+    def select(
+        self,
+        q: torch.Tensor,  # [T, Hi, Di] rotated
+        k: torch.Tensor,  # [T, Di] rotated: the new rows of the indexer cache
+        weights: torch.Tensor,  # [T, Hi] float32 (``head_weights``)
+        cache: torch.Tensor,
+        key_slots: torch.Tensor,
+        mask: torch.Tensor,
+        meta: StepMetadata,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:  # [T, k] int64
+        """Write the new key rows, score the visible rows, keep the best. The capture records
+        this as ``mlafx::write_latent_cache`` + ``mlafx::dsa_indexer_topk`` over the paged cache
+        (``meta``'s block tables, ``positions``: what the reference's key rows restate)."""
+        dim = self.cfg.index_head_dim
         rows = cache.view(-1, dim)
-        rows.index_copy_(0, slot_mapping, k.to(cache.dtype))
+        rows.index_copy_(0, meta.slot_mapping, k.to(cache.dtype))
         keys = rows.index_select(0, key_slots).to(torch.float32)  # [K, Di]
         scores = torch.einsum("thd,kd->thk", q.to(torch.float32), keys) * dim**-0.5
-        weights = self.head_weights(x)  # [T, Hi]
         index_scores = torch.einsum("th,thk->tk", weights, scores.relu())
-        return top_positions(index_scores, mask, key_positions, cfg.index_topk)
+        return top_positions(index_scores, mask, meta.key_positions, self.cfg.index_topk)
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """``weights_proj(x) * Hi^-0.5`` [T, Hi] float32."""
@@ -138,6 +152,7 @@ class SparseMLAttention(MLAttention):
         key_slots: torch.Tensor,
         mask: torch.Tensor,
         meta: StepMetadata,
+        positions: torch.Tensor,  # [T] int64
         selected: torch.Tensor | None,  # [T, k] the previous full layer's (shared layers)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, D], selected [T, k]
         q_latent = self.q_latent(x)
@@ -145,9 +160,8 @@ class SparseMLAttention(MLAttention):
         if self.indexer is not None:
             cache, index_cache = caches
             selected = self.indexer(
-                x, q_latent, cos, sin, index_cache, slot_mapping, key_slots, mask,
-                meta.key_positions,
-            )  # fmt: skip
+                x, q_latent, cos, sin, index_cache, key_slots, mask, meta, positions
+            )
         else:
             (cache,) = caches
             if selected is None:
@@ -175,10 +189,11 @@ class DsaDecoderLayer(DecoderLayer):
         key_slots: torch.Tensor,
         mask: torch.Tensor,
         meta: StepMetadata,
+        positions: torch.Tensor,
         selected: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, selected = self.self_attn(
             self.input_layernorm(x), cos, sin, caches, slot_mapping, key_slots, mask, meta,
-            selected,
+            positions, selected,
         )  # fmt: skip
         return self.mlp_block(self.add_branch(x, attn)), selected

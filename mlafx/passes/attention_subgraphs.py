@@ -55,12 +55,9 @@ def absorbed_attention(
 ) -> tuple[fx.Node, fx.Node]:  # out [N, H, V], lse [H, N] fp32
     """q_lat = [q_nope W_UK | q_pe]; mla_attention_paged; out = out_lat W_UV^T."""
     site = emit.site
-    q_nope_h = emit(aten.transpose.int, q_nope, 0, 1)  # [H, N, P]
-    q_lat = emit(mlafx_ops.batched_matmul.default, q_nope_h, emit.weights.w_uk)  # [H, N, Lkv]
-    query = emit(aten.cat.default, [emit(aten.transpose.int, q_lat, 0, 1), q_pe], -1)
     attn = emit(
         mlafx_ops.mla_attention_paged.default,
-        query,  # [N, H, Lkv + R]
+        _absorbed_query(emit, q_nope, q_pe),  # [N, H, Lkv + R]
         site.cache,
         block_table,
         kv_lens,
@@ -69,10 +66,47 @@ def absorbed_attention(
         site.scale,
         site.kv_lora_rank,
     )
-    out_lat = emit(operator.getitem, attn, 0)  # [N, H, Lkv]
-    out_lat_h = emit(aten.transpose.int, out_lat, 0, 1)  # [H, N, Lkv]
+    return _values_out(emit, attn), emit(operator.getitem, attn, 1)
+
+
+def sparse_attention(
+    emit: Emitter,
+    q_nope: fx.Node,  # [T, H, P]
+    q_pe: fx.Node,  # [T, H, R]
+    selected: fx.Node,  # [T, topk] int64 positions, -1 = none
+    block_table: fx.Node,  # [B, M] int32
+    kv_lens: fx.Node,  # [B] int32
+    query_start_loc: fx.Node,  # [B + 1] int32
+) -> tuple[fx.Node, fx.Node]:  # out [T, H, V], lse [H, T] fp32
+    """DSA: q_lat as ``absorbed_attention``'s; mla_attention_sparse over each query's selected
+    positions; out = out_lat W_UV^T."""
+    site = emit.site
+    attn = emit(
+        mlafx_ops.mla_attention_sparse.default,
+        _absorbed_query(emit, q_nope, q_pe),
+        site.cache,
+        block_table,
+        kv_lens,
+        query_start_loc,
+        selected,
+        site.scale,
+        site.kv_lora_rank,
+    )
+    return _values_out(emit, attn), emit(operator.getitem, attn, 1)
+
+
+def _absorbed_query(emit: Emitter, q_nope: fx.Node, q_pe: fx.Node) -> fx.Node:
+    """[q_nope W_UK | q_pe] [N, H, Lkv + R]."""
+    q_nope_h = emit(aten.transpose.int, q_nope, 0, 1)  # [H, N, P]
+    q_lat = emit(mlafx_ops.batched_matmul.default, q_nope_h, emit.weights.w_uk)  # [H, N, Lkv]
+    return emit(aten.cat.default, [emit(aten.transpose.int, q_lat, 0, 1), q_pe], -1)
+
+
+def _values_out(emit: Emitter, attn: fx.Node) -> fx.Node:
+    """The attention op's latent output [N, H, Lkv] times W_UV^T: [N, H, V], contiguous."""
+    out_lat_h = emit(aten.transpose.int, emit(operator.getitem, attn, 0), 0, 1)  # [H, N, Lkv]
     out = emit(mlafx_ops.batched_matmul.default, out_lat_h, emit.weights.w_uv_t)  # [H, N, V]
-    return emit.contiguous(emit(aten.transpose.int, out, 0, 1)), emit(operator.getitem, attn, 1)
+    return emit.contiguous(emit(aten.transpose.int, out, 0, 1))
 
 
 def decompressed_suffix(

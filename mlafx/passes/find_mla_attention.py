@@ -5,6 +5,9 @@ Pattern (per layer, as ``mlafx.models.attention`` writes it, in any equivalent l
     rows   = index_select(<the written cache>, 0, key_slots)                  -- the gather
     k_nope, v = split(linear(rows[:, :Lkv], kv_b_proj.weight).view(K, H, P+V), [P, V])
     SDPA(cat([q_nope, q_pe]), cat([k_nope, expand(rows[:, Lkv:])]), v, attn_mask, scale)
+A DSA layer (``mlafx.models.dsa``) builds its mask from a selection: the site records it
+(``MLASite.selected``: the ``mlafx::dsa_indexer_topk`` node the capture made of the layer's
+indexer, or a shared layer's ``selected`` input), found within a few ops of the mask.
 Replacement: none; this pass only records ``MLASite``s (``mla_site.py``).
 Requires: a captured step graph (pre-dispatch ATen IR) with ``meta["val"]`` on nodes.
 Ensures: the graph is unchanged; every SDPA node is either a site or a logged refusal
@@ -136,6 +139,10 @@ def match_site(sdpa: fx.Node, layer: int) -> MLASite:
     _expect(cache_shape is not None and cache_shape[2] == lkv + r, "cache rows are not Lkv+R")
     if scale is None:
         scale = float((p_dim + r) ** -0.5)
+    selected = _selection_in(mask)
+    if selected is not None:
+        sel_shape = tensor_shape(selected)
+        _expect(sel_shape is not None and len(sel_shape) == 2, "the selection is not [T, topk]")
     return MLASite(
         layer=layer,
         cache=cache,
@@ -156,7 +163,33 @@ def match_site(sdpa: fx.Node, layer: int) -> MLASite:
         qk_rope_head_dim=int(r),
         v_head_dim=int(v_dim),
         kv_lora_rank=int(lkv),
+        selected=selected,
     )
+
+
+_INDEXER_TOPK = "mlafx.dsa_indexer_topk"
+_SELECTION_DEPTH = 12  # selection_mask is a handful of ops between the selection and the mask
+
+
+def _selection_in(mask: fx.Node) -> fx.Node | None:
+    """The DSA selection the mask is built from (``models/dsa.selection_mask``): an
+    ``mlafx::dsa_indexer_topk`` node or a layer input named ``selected``, within a few ops of
+    the mask; None for a dense site."""
+    found: list[fx.Node] = []
+    frontier, seen = [(mask, 0)], set()
+    while frontier:
+        node, depth = frontier.pop()
+        if node in seen or depth > _SELECTION_DEPTH:
+            continue
+        seen.add(node)
+        if (node.op == "call_function" and str(node.target).startswith(_INDEXER_TOPK)) or (
+            node.op == "placeholder" and node.name == "selected"
+        ):
+            found.append(node)
+            continue
+        frontier.extend((n, depth + 1) for n in node.all_input_nodes)
+    _expect(len(found) <= 1, f"the mask is built from {len(found)} DSA selections")
+    return found[0] if found else None
 
 
 def _hand_written_attention(softmax: fx.Node) -> bool:

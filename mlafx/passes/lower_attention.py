@@ -26,8 +26,13 @@ new rows; the merge adds the two halves by their log-sum-exps. Sub-batches of an
 0 included, run the same graph (no ``.item()``, no loop over sequences).
 Requires: sites from ``find_mla_attention``; the step inputs ``positions`` and the
 ``meta_*`` sub-batch fields above as placeholders.
-Ensures: per site exactly one ``write_latent_cache``, two ``mla_attention_paged`` (absorbed
-rows; context half), one ``varlen_attention`` and one ``merge_attn_states``; the anchors
+A DSA site (``MLASite.selected``: the mask restricts each query to an indexer's selection)
+runs every row through one pass instead, as the selection is per query:
+    out = W_UV . mla_attention_sparse([q_nope W_UK | q_pe], cache, block_table, kv_lens,
+                    query_start_loc, selected)                           [T, H, V]
+Ensures: per dense site exactly one ``write_latent_cache``, two ``mla_attention_paged``
+(absorbed rows; context half), one ``varlen_attention`` and one ``merge_attn_states``; per DSA
+site one ``write_latent_cache`` and one ``mla_attention_sparse``; the anchors
 (SDPA, ``index_copy_``, the gather) are erased explicitly — dead-code elimination keeps
 in-place and attention nodes alive.
 """
@@ -45,6 +50,7 @@ from mlafx.passes.attention_subgraphs import (
     absorbed_attention,
     decompressed_suffix,
     merged_with_context,
+    sparse_attention,
 )
 from mlafx.passes.mla_site import MLASite, SiteLowering
 
@@ -52,6 +58,9 @@ log = logging.getLogger(__name__)
 aten = torch.ops.aten
 STEP_INPUTS = (
     "positions",
+    "meta_block_table",
+    "meta_kv_lens",
+    "meta_query_start_loc",
     "meta_absorbed_token_index",
     "meta_absorbed_block_table",
     "meta_absorbed_kv_lens",
@@ -95,6 +104,12 @@ def lower_site(gm: fx.GraphModule, site: MLASite, inputs: dict[str, fx.Node]) ->
             site.slot_mapping,
         )
         cache_write, seen = _custom_ops_since(graph, seen), set(graph.nodes)
+        if site.selected is not None:
+            out = _sparse_site(emit, site, inputs)
+            site.output.replace_all_uses_with(out)
+            for node in _dead_after(site):
+                graph.erase_node(node)
+            return SiteLowering(site.layer, cache_write, _custom_ops_since(graph, seen), ())
 
         absorbed_rows = inputs["meta_absorbed_token_index"]
         absorbed_out, _ = absorbed_attention(
@@ -147,6 +162,23 @@ def lower_site(gm: fx.GraphModule, site: MLASite, inputs: dict[str, fx.Node]) ->
     return SiteLowering(site.layer, cache_write, absorbed_ops, split_ops)
 
 
+def _sparse_site(emit: Emitter, site: MLASite, inputs: dict[str, fx.Node]) -> fx.Node:
+    """A DSA site: every query attends to its selected positions of the paged cache (the
+    selection is per query, so there is no split path to choose)."""
+    assert site.selected is not None
+    out, _ = sparse_attention(
+        emit,
+        site.q_nope,
+        site.q_pe,
+        site.selected,
+        inputs["meta_block_table"],
+        inputs["meta_kv_lens"],
+        inputs["meta_query_start_loc"],
+    )
+    num_tokens = emit(aten.sym_size.int, site.q_nope, 0)
+    return emit(aten.view.default, out, [num_tokens, site.num_heads * site.v_head_dim])
+
+
 def _dead_after(site: MLASite) -> list[fx.Node]:
     """Nodes from the output back to the write that nothing else uses, users first."""
     order: list[fx.Node] = []
@@ -162,6 +194,7 @@ def _dead_after(site: MLASite) -> list[fx.Node]:
             continue  # stop at the write: the new rows' producers stay (the op reads them)
         frontier.extend(a for a in node.all_input_nodes)
     keep = {site.kv_c, site.k_pe, site.q_nope, site.q_pe, site.slot_mapping, site.mask}
+    keep |= {site.selected} if site.selected is not None else set()
     candidates = [n for n in order if n not in keep]
     # export's dtype/layout assertions hang off the values they check: they go with them
     candidates += [

@@ -20,6 +20,9 @@ class MLASite:
     q_nope, q_pe   [T, H, P], [T, H, R] (q_pe roped)
     mask           [T, K] bool, the attention mask; scale the softmax scale
     sdpa           the anchor; output the [T, H*V] node that feeds o_proj
+    selected       DSA: the [T, index_topk] int64 positions the mask restricts each query to
+                   (an ``mlafx::dsa_indexer_topk`` result or a layer's ``selected`` input);
+                   None for dense MLA
     """
 
     layer: int
@@ -41,12 +44,14 @@ class MLASite:
     qk_rope_head_dim: int
     v_head_dim: int
     kv_lora_rank: int
+    selected: fx.Node | None = None
 
 
 @dataclass(frozen=True)
 class SiteLowering:
     """What ``lower_attention`` made of one site: the ``mlafx::`` ops, in graph order, that
-    write the cache, that the absorbed rows run, and that the split rows run."""
+    write the cache, that the absorbed rows run, and that the split rows run (a DSA site runs
+    every row through the sparse attention: ``absorbed``, and no split path)."""
 
     layer: int
     cache_write: tuple[str, ...]

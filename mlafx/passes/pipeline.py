@@ -5,7 +5,7 @@
                            absorbed rows; varlen_attention + mla_attention_paged (context)
                            + merge_attn_states for the split rows (absorb_weights: the
                            absorbed W_UK / W_UV^T, contiguous derived constants of
-                           kv_b_proj.weight)
+                           kv_b_proj.weight); a DSA site: mla_attention_sparse for every row
     lower_linears       -> mlafx.linear_packed for every linear over a graph weight
                            (packed copies as new constants ``<weight>_packed``, which
                            replace the weights they are derived from)

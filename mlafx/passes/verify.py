@@ -95,13 +95,19 @@ def verify_rewrite(
     check_coverage(coverage)
     dtype = caches[0].dtype
     atol, rtol = TOLERANCES[dtype]
-    results = []
+    results: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
     for fn in with_fixed_routing(original, rewritten):  # the original runs first
         own = [c.clone() for c in caches]
         with torch.no_grad():
             output = fn(*sample.args(own))
-        results.append((output.float(), [c.float() for c in own]))
-    (want, want_caches), (got, got_caches) = results
+        # a DSA layer that runs its indexer returns (x, selected): both graphs select with
+        # the same op, so the selections must be equal
+        outputs = list(output) if isinstance(output, tuple | list) else [output]
+        results.append((outputs[0].float(), [c.float() for c in own], outputs[1:]))
+    (want, want_caches, want_selected), (got, got_caches, got_selected) = results
+    for a, b in zip(want_selected, got_selected, strict=True):
+        if not torch.equal(a, b):
+            raise VerificationError("the rewritten graph's DSA selection differs")
     output_diff = (got - want).abs()
     if not torch.all(output_diff <= atol + rtol * want.abs()):
         raise VerificationError(
