@@ -30,6 +30,7 @@ CASE_MODULES: list[str] = [
     "bench.kernel_cases.quant_gemm",
     "bench.kernel_cases.fp8_gemm",
     "bench.kernel_cases.attention",
+    "bench.kernel_cases.dsa",
 ]
 
 

@@ -8,6 +8,8 @@ hint if it is missing or stale) and registers the ops' fake implementations.
 - ``ops.py``: typed wrappers and fakes; the schemas live in ``csrc/<family>.cpp``
 - ``reference.py``: slow Python references the tests compare against
 - ``attention_ops.py``, ``attention_reference.py``: the attention ops' wrappers/fakes, references
+- ``dsa_ops.py``, ``dsa_reference.py``: DeepSeek Sparse Attention (the indexer's top-k, sparse
+  absorbed MLA), wrappers/fakes and float64 references
 - ``gemm_ops.py``, ``gemm_reference.py``: linears on packed weights, references
 - ``moe_ops.py``, ``moe_reference.py``: routed MoE experts, reference
 - ``quant_format.py``: the int8/int4 (Q8_0/Q4_0-like) packed weight format and its semantics
@@ -24,6 +26,7 @@ from mlafx.kernels.attention_ops import (
     mla_attention_paged,
     varlen_attention,
 )
+from mlafx.kernels.dsa_ops import dsa_indexer_topk, mla_attention_sparse
 from mlafx.kernels.extension import (
     ExtensionLoadError,
     batch_invariant,
@@ -57,6 +60,7 @@ __all__ = [
     "batch_invariant_mode",
     "batched_matmul",
     "cpu_isa",
+    "dsa_indexer_topk",
     "gather_latent",
     "library_path",
     "linear_decode",
@@ -66,6 +70,7 @@ __all__ = [
     "load_extension",
     "merge_attn_states",
     "mla_attention_paged",
+    "mla_attention_sparse",
     "moe_experts",
     "moe_experts_fp8",
     "moe_experts_quantized",

@@ -3,6 +3,21 @@
 // Ops are registered with the dispatcher from static initialisers (TORCH_LIBRARY*), so
 // loading the .so is all it takes: `import mlafx._C` here, `torch.ops.load_library(path)` in
 // a process that only runs AOTInductor artifacts. The Python module itself is empty.
+//
+// The ops, by file (schemas at the bottom of each; contracts in docs/DESIGN.md, "Op contracts"):
+//   attention.cpp       mla_attention_paged, varlen_attention (core: attention.h, driver:
+//                       attention_driver.h)
+//   dsa_attention.cpp   mla_attention_sparse (DeepSeek Sparse Attention, same core and driver)
+//   dsa_indexer.cpp     dsa_indexer_topk (DSA's lightning indexer; core: dsa_indexer.h)
+//   attn_merge.cpp      merge_attn_states          attn_gather.cpp   gather_latent
+//   latent_cache.cpp    write_latent_cache         batched_matmul.cpp batched_matmul
+//   gemm.cpp            pack_linear_weight, unpack_linear_weight, linear_decode, linear_packed
+//   moe.cpp             moe_experts
+//   quant_weight.cpp    quantize_linear_weight     quant_linear.cpp  linear_quantized
+//   quant_moe.cpp       moe_experts_quantized      quant_dot.cpp     quant_cpu_isa
+//   fp8_linear.cpp      linear_fp8                 fp8_moe.cpp       moe_experts_fp8
+//   batch_invariant.cpp batch_invariant, set_batch_invariant
+//   extension.cpp       cpu_isa, parallel_num_threads
 #include <Python.h>
 
 #include <ATen/Parallel.h>
