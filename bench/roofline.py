@@ -62,17 +62,32 @@ def matmul_gflops(
     return 2 * size**3 / seconds / 1e9
 
 
+_MATMUL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def matmul_size_within(dtype: torch.dtype, size: int, seconds: float = 2.0) -> int:
+    """``size``, halved until one square matmul takes about ``seconds`` at most at this CPU's
+    rate: without AVX-512 BF16, torch's bf16 matmul runs a slow fallback (~1 GFLOP/s on a
+    2-core Zen 2), where a 2048 matmul takes 17 s and a full roofline half an hour."""
+    probe = matmul_gflops(dtype, size=512, repeats=1, warmup=1)
+    while size > 512 and 2 * size**3 / (probe * 1e9) > seconds:
+        size //= 2
+    return size
+
+
 def measure(*, megabytes: int = 512, matmul_size: int = 2048, quick: bool = False) -> Roofline:
     if quick:
         megabytes, matmul_size = 64, 512
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     y = torch.empty_like(x)
     rounds: dict[str, list[float]] = {"bf16": [], "fp32": [], "read": [], "copy": []}
+    sizes = {dtype: matmul_size_within(dtype, matmul_size) for dtype in _MATMUL_DTYPES}
 
     def one_round() -> None:
-        rounds["bf16"].append(matmul_gflops(torch.bfloat16, size=matmul_size, repeats=5, warmup=2))
+        bf16, fp32 = sizes[torch.bfloat16], sizes[torch.float32]
+        rounds["bf16"].append(matmul_gflops(torch.bfloat16, size=bf16, repeats=5, warmup=2))
         rounds["read"].append(x.numel() * 4 / median_seconds(lambda: x.sum()) / 1e9)
-        rounds["fp32"].append(matmul_gflops(torch.float32, size=matmul_size, repeats=5, warmup=2))
+        rounds["fp32"].append(matmul_gflops(torch.float32, size=fp32, repeats=5, warmup=2))
         rounds["copy"].append(2 * x.numel() * 4 / median_seconds(lambda: y.copy_(x)) / 1e9)
 
     for _ in range(3):
