@@ -96,16 +96,17 @@ def selection_margins(monkeypatch) -> list[float]:
     return margins
 
 
-# The compiled variant: every layer MoE, so GLM-5's full and shared layers are the two layer
-# kinds to compile (the dense first layer would add a third of the same attention)
+# The compiled variants: every layer MoE, so the layer kinds to compile are V3.2's one and
+# GLM-5's full and shared ones (a dense first layer would add another of the same attention)
 COMPILED_OVERRIDES = {"mlp_layer_types": ["sparse"] * 3}
 
 
 @pytest.mark.parametrize(
     "name, tensor_parallel_size, compiled",
     [(name, 1, False) for name in sorted(CONFIGS)]
-    + [("glm_moe_dsa", 2, False), ("glm_moe_dsa", 1, True)],
-    ids=[*sorted(CONFIGS), "glm_moe_dsa-tp2", "glm_moe_dsa-compiled"],
+    + [("glm_moe_dsa", 2, False)]
+    + [(name, 1, True) for name in sorted(CONFIGS)],
+    ids=[*sorted(CONFIGS), "glm_moe_dsa-tp2", *(f"{n}-compiled" for n in sorted(CONFIGS))],
 )
 def test_greedy_tokens_and_logprobs_match_transformers(
     name, tensor_parallel_size, compiled, tmp_path, monkeypatch
