@@ -99,13 +99,27 @@ def _mla_attention_paged_fake(
     scale: float,
     kv_lora_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_index("positions", positions, torch.int64, 1)
+    return latent_attention_fake(q, kv_cache, block_table, kv_lens, query_start_loc, kv_lora_rank)
+
+
+def latent_attention_fake(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_lora_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks and outputs every absorbed-MLA op over the paged latent cache shares
+    (``mla_attention_paged``, ``mla_attention_sparse``; csrc ``check_latent_attention``): out
+    [T, H, kv_lora_rank] in q's dtype, lse [H, T] float32."""
     _check_float("q", q)
     torch._check(kv_cache.dtype == q.dtype, lambda: "kv_cache must have q's dtype")
     torch._check(q.dim() == 3 and kv_cache.dim() == 3)
     _check_index("block_table", block_table, torch.int32, 2)
     _check_index("kv_lens", kv_lens, torch.int32, 1)
     _check_index("query_start_loc", query_start_loc, torch.int32, 1)
-    _check_index("positions", positions, torch.int64, 1)
     torch._check(kv_cache.shape[2] == q.shape[2], lambda: "kv_cache and q widths differ")
     torch._check(1 <= kv_lora_rank <= q.shape[2], lambda: "kv_lora_rank out of range")
     num_tokens, num_heads, _ = q.shape

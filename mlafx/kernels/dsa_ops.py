@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mlafx.kernels.attention_ops import _check_float, _check_index
+from mlafx.kernels.attention_ops import _check_float, _check_index, latent_attention_fake
 from mlafx.kernels.extension import load_extension
 
 load_extension()  # the schemas must be registered before fakes can attach to them
@@ -94,20 +94,9 @@ def _mla_attention_sparse_fake(
     scale: float,
     kv_lora_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_float("q", q)
-    torch._check(kv_cache.dtype == q.dtype, lambda: "kv_cache must have q's dtype")
-    torch._check(q.dim() == 3 and kv_cache.dim() == 3)
-    _check_index("block_table", block_table, torch.int32, 2)
-    _check_index("kv_lens", kv_lens, torch.int32, 1)
-    _check_index("query_start_loc", query_start_loc, torch.int32, 1)
     _check_index("selected", selected, torch.int64, 2)
-    torch._check(kv_cache.shape[2] == q.shape[2], lambda: "kv_cache and q widths differ")
     torch._check(selected.shape[0] == q.shape[0], lambda: "selected must have a row per query")
-    torch._check(1 <= kv_lora_rank <= q.shape[2], lambda: "kv_lora_rank out of range")
-    num_tokens, num_heads, _ = q.shape
-    out = q.new_empty((num_tokens, num_heads, kv_lora_rank))
-    lse = q.new_empty((num_heads, num_tokens), dtype=torch.float32)
-    return out, lse
+    return latent_attention_fake(q, kv_cache, block_table, kv_lens, query_start_loc, kv_lora_rank)
 
 
 def mla_attention_sparse(

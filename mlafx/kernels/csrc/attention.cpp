@@ -54,6 +54,7 @@ using mlafx::attn::run_attention;
 using mlafx::attn::select_core;
 using mlafx::op_checks::check_cpu;
 using mlafx::op_checks::check_index;
+using mlafx::op_checks::check_latent_attention;
 using mlafx::op_checks::check_last_dim_contiguous;
 using mlafx::op_checks::check_offsets;
 using mlafx::op_checks::check_paged_table;
@@ -318,42 +319,16 @@ std::tuple<at::Tensor, at::Tensor> mla_attention_paged(
     double scale, int64_t kv_lora_rank) {
   constexpr const char* op = "mla_attention_paged";
   check_cpu(op, {&q, &kv_cache, &block_table, &kv_lens, &query_start_loc, &positions});
-  TORCH_CHECK_TYPE(is_supported_float(q.scalar_type()), op,
-                   ": q must be bfloat16, float16 or float32, got ", q.scalar_type());
-  TORCH_CHECK_TYPE(kv_cache.scalar_type() == q.scalar_type(), op,
-                   ": kv_cache must have q's dtype ", q.scalar_type(), ", got ",
-                   kv_cache.scalar_type());
-  TORCH_CHECK_VALUE(q.dim() == 3, op, ": q must be [num_tokens, num_heads, kv_lora_rank + "
-                    "rope_dim], got shape ", q.sizes());
-  TORCH_CHECK_VALUE(kv_cache.dim() == 3, op, ": kv_cache must be [num_blocks, block_size, "
-                    "kv_lora_rank + rope_dim], got shape ", kv_cache.sizes());
-  check_index(op, "block_table", block_table, at::kInt, 2);
-  check_index(op, "kv_lens", kv_lens, at::kInt, 1);
-  check_index(op, "query_start_loc", query_start_loc, at::kInt, 1);
   check_index(op, "positions", positions, at::kLong, 1);
+  check_latent_attention(op, q, kv_cache, block_table, kv_lens, query_start_loc, scale,
+                         kv_lora_rank);
   const int64_t T = q.size(0), H = q.size(1), W = q.size(2);
-  const int64_t NB = kv_cache.size(0), BS = kv_cache.size(1);
+  const int64_t BS = kv_cache.size(1);
   const int64_t B = block_table.size(0);
-  TORCH_CHECK_VALUE(kv_cache.size(2) == W, op, ": kv_cache rows are ", kv_cache.size(2),
-                    " wide but q rows are ", W);
-  TORCH_CHECK_VALUE(kv_lora_rank >= 1 && kv_lora_rank <= W, op, ": kv_lora_rank = ",
-                    kv_lora_rank, " must be in 1..", W, " (the cache row width)");
-  TORCH_CHECK_VALUE(BS >= 1, op, ": block_size must be at least 1, got ", BS);
-  TORCH_CHECK_VALUE(kv_lens.size(0) == B, op, ": kv_lens has ", kv_lens.size(0),
-                    " entries but block_table has ", B, " rows");
-  TORCH_CHECK_VALUE(query_start_loc.size(0) == B + 1, op, ": query_start_loc must have ",
-                    B + 1, " entries (num_seqs + 1), got ", query_start_loc.size(0));
   TORCH_CHECK_VALUE(positions.size(0) == T, op, ": positions has ", positions.size(0),
                     " entries but q has ", T, " tokens");
-  check_last_dim_contiguous(op, "q", q);
-  TORCH_CHECK_VALUE(kv_cache.is_contiguous(), op, ": kv_cache must be contiguous, got strides ",
-                    kv_cache.strides());
-  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
-
   const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
   const int64_t qsl_s = query_start_loc.stride(0);
-  check_offsets(op, "query_start_loc", qsl, qsl_s, B + 1, T, "num_tokens");
-  check_paged_table(op, block_table, kv_lens, NB, BS);
   const int32_t* lens = kv_lens.const_data_ptr<int32_t>();
   const int32_t* table = block_table.const_data_ptr<int32_t>();
 

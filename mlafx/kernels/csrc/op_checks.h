@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 
@@ -68,6 +69,47 @@ inline void check_paged_table(const char* op, const at::Tensor& block_table,  //
                         " blocks");
     }
   }
+}
+
+// The arguments every absorbed-MLA op over the paged latent cache shares (mla_attention_paged,
+// mla_attention_sparse): q [T, H, Lkv + R] and kv_cache [NB, BS, Lkv + R] of one float dtype,
+// the sequences' block_table / kv_lens / query_start_loc, scale and kv_lora_rank. The op's
+// per-token index tensor (positions, selected) is its own to check.
+inline void check_latent_attention(const char* op, const at::Tensor& q,
+                                   const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                   const at::Tensor& kv_lens, const at::Tensor& query_start_loc,
+                                   double scale, int64_t kv_lora_rank) {
+  TORCH_CHECK_TYPE(is_supported_float(q.scalar_type()), op,
+                   ": q must be bfloat16, float16 or float32, got ", q.scalar_type());
+  TORCH_CHECK_TYPE(kv_cache.scalar_type() == q.scalar_type(), op,
+                   ": kv_cache must have q's dtype ", q.scalar_type(), ", got ",
+                   kv_cache.scalar_type());
+  TORCH_CHECK_VALUE(q.dim() == 3, op, ": q must be [num_tokens, num_heads, kv_lora_rank + "
+                    "rope_dim], got shape ", q.sizes());
+  TORCH_CHECK_VALUE(kv_cache.dim() == 3, op, ": kv_cache must be [num_blocks, block_size, "
+                    "kv_lora_rank + rope_dim], got shape ", kv_cache.sizes());
+  check_index(op, "block_table", block_table, at::kInt, 2);
+  check_index(op, "kv_lens", kv_lens, at::kInt, 1);
+  check_index(op, "query_start_loc", query_start_loc, at::kInt, 1);
+  const int64_t T = q.size(0), W = q.size(2);
+  const int64_t NB = kv_cache.size(0), BS = kv_cache.size(1);
+  const int64_t B = block_table.size(0);
+  TORCH_CHECK_VALUE(kv_cache.size(2) == W, op, ": kv_cache rows are ", kv_cache.size(2),
+                    " wide but q rows are ", W);
+  TORCH_CHECK_VALUE(kv_lora_rank >= 1 && kv_lora_rank <= W, op, ": kv_lora_rank = ",
+                    kv_lora_rank, " must be in 1..", W, " (the cache row width)");
+  TORCH_CHECK_VALUE(BS >= 1, op, ": block_size must be at least 1, got ", BS);
+  TORCH_CHECK_VALUE(kv_lens.size(0) == B, op, ": kv_lens has ", kv_lens.size(0),
+                    " entries but block_table has ", B, " rows");
+  TORCH_CHECK_VALUE(query_start_loc.size(0) == B + 1, op, ": query_start_loc must have ",
+                    B + 1, " entries (num_seqs + 1), got ", query_start_loc.size(0));
+  check_last_dim_contiguous(op, "q", q);
+  TORCH_CHECK_VALUE(kv_cache.is_contiguous(), op, ": kv_cache must be contiguous, got strides ",
+                    kv_cache.strides());
+  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  check_offsets(op, "query_start_loc", query_start_loc.const_data_ptr<int32_t>(),
+                query_start_loc.stride(0), B + 1, T, "num_tokens");
+  check_paged_table(op, block_table, kv_lens, NB, BS);
 }
 
 }  // namespace mlafx::op_checks
