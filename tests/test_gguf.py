@@ -280,7 +280,7 @@ def test_errors_name_the_tensor_or_key(tmp_path):
 def _byte_level_bpe():
     from tokenizers import Tokenizer, decoders, models, trainers
 
-    from mlafx.runtime.gguf_tokenizer import pre_tokenizer
+    from mlafx.config.gguf_tokenizer import pre_tokenizer
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizer("deepseek-v3")
@@ -329,6 +329,12 @@ def test_tokenizer_from_the_metadata_encodes_like_the_hf_one(tmp_path):
     bos, eos = (hf_tok.id_to_token(i) for i in (0, 1))
     assert template.special_tokens == {"bos_token": bos, "eos_token": eos}
     assert template.render([{"role": "user", "content": "hi"}]) == f"{bos}user:hi{eos}"
+    # an artifact exported from the file ships the same tokenizer and template as files
+    out = tmp_path / "artifact"
+    mlafx.export(str(path), str(out), format="pt2", dtype="float32", progress=False)
+    shipped = load_tokenizer(out)
+    assert [shipped.encode(s).ids for s in strings] == [tok.encode(s).ids for s in strings]
+    assert load_chat_template(out) == template
 
 
 GGUF_TEMPLATE = (
