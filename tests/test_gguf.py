@@ -337,6 +337,30 @@ def test_tokenizer_from_the_metadata_encodes_like_the_hf_one(tmp_path):
     assert load_chat_template(out) == template
 
 
+def test_kimi_k2_pre_tokenizer_splits_as_its_tiktoken_pattern():
+    """``kimi-k2`` (Kimi's tiktoken ``pat_str``, whose Han-excluding class intersections
+    Oniguruma runs inside ``tokenizers``) against the same pattern in the ``regex`` module
+    (tiktoken's own semantics), on a few hundred mixed-script strings."""
+    import random
+
+    import regex
+    from tokenizers import Regex, pre_tokenizers
+
+    from mlafx.config.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+
+    (pattern,) = PRE_TOKENIZER_SPLITS["kimi-k2"]
+    split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+    reference = regex.compile(pattern, flags=regex.V1)
+    rng = random.Random(0)
+    pieces = ["Hello", " world", "123456", "日本語", "中文字", "ünï", "\n", "  ", "I'll", "DON'T",
+              "café", "x**2", "🙂", "Ωmega", "\t", "fox.", "ÀBc", "ａｂｃ", "カタカナ", "한국어",
+              "\r\n", " ?!", "abcDEF", "٣٤٥", "don't"]  # fmt: skip
+    for _ in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
+        got = [piece for piece, _ in split.pre_tokenize_str(text)]
+        assert got == reference.findall(text), text
+
+
 GGUF_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{{ m.role }}:{{ m.content }}{% endfor %}{{ eos_token }}"
 )

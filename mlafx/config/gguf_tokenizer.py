@@ -6,7 +6,9 @@ added whole, both at their own ids and in their own spelling. (``transformers``'
 is not used: it drops control tokens outside the byte alphabet, i.e. DeepSeek's
 ``<｜end▁of▁sentence｜>``, and knows no DeepSeek pre-tokenizer.) ``PRE_TOKENIZER_SPLITS`` holds
 the pre-tokenizers, copied from llama.cpp's ``llama-vocab.cpp`` (which defines how a GGUF file
-tokenizes): each regex splits the text in turn (``Isolated``), then bytes map to the
+tokenizes; for ``kimi-k2``, which llama.cpp hand-codes, the ``pat_str`` of Kimi's
+``tokenization_kimi.py`` it implements: Oniguruma, behind ``tokenizers``, has its class
+intersections): each regex splits the text in turn (``Isolated``), then bytes map to the
 byte-level alphabet.
 
 ``tokenizer.ggml.add_bos_token`` true puts the bos token before every encoded text (a
@@ -40,6 +42,14 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
         "[一-龥぀-ゟ゠-ヿ]+",
         "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
         "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+    ),
+    "kimi-k2": (  # Kimi K2 / K2.5: tokenization_kimi.py's tiktoken pat_str (llama.cpp hand-codes it)
+        "[\\p{Han}]+"
+        "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*"
+        "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+"
+        "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
     ),
     "glm4": (  # GLM-4.7-Flash
         "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"
