@@ -43,7 +43,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
         "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
         "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
     ),
-    "kimi-k2": (  # Kimi K2 / K2.5: tokenization_kimi.py's tiktoken pat_str (llama.cpp hand-codes it)
+    "kimi-k2": (  # Kimi K2 / K2.5: tokenization_kimi.py's pat_str (llama.cpp hand-codes it)
         "[\\p{Han}]+"
         "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*"
         "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
