@@ -45,6 +45,25 @@ constexpr int64_t quant_group_columns(int format) {
   return is_kquant(format) ? kSuperGroups * kQuantGroup : kQuantGroup;
 }
 
+// A group's quants, laid out for VPDPBUSD (byte 64s + 4i + j: row i's column 4s + j; int4:
+// low nibble column 4s + j, high 16 + 4s + j), as the small integers v[16][32] = stored - z.
+template <int kBits>
+inline void unpack_quants(const uint8_t* quants, int z, int16_t (*v)[kQuantGroup]) {
+  for (int s = 0; s < (kBits == 8 ? 8 : 4); ++s) {
+    for (int i = 0; i < kQuantBlockRows; ++i) {
+      for (int j = 0; j < 4; ++j) {
+        const int byte = quants[64 * s + 4 * i + j];
+        if constexpr (kBits == 8) {
+          v[i][4 * s + j] = static_cast<int16_t>(byte - z);
+        } else {
+          v[i][4 * s + j] = static_cast<int16_t>((byte & 0xF) - z);
+          v[i][16 + 4 * s + j] = static_cast<int16_t>((byte >> 4) - z);
+        }
+      }
+    }
+  }
+}
+
 // Rows of x quantized per group of 32 columns (quant_format.quantize_activations):
 //   q [M, ldq] int8 in [-127, 127] (zero past K), d [M, G] fp32, qsum [M, G] = sum of q.
 // A group whose scale is not finite (NaN or inf in x) has q = 0: d_x then makes every

@@ -87,28 +87,10 @@ inline float half_bits_to_float(const uint8_t* bytes) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// Block-group weights as signed int16 rows [16][32] and fp32 scales [16].
+// Block-group weights as signed int16 rows [16][32] (z removed) and fp32 scales [16].
 template <int kBits>
 void unpack_group(const uint8_t* group, int16_t (*w)[kGroup], float* scales) {
-  if constexpr (kBits == 8) {
-    for (int s = 0; s < 8; ++s) {
-      for (int i = 0; i < kRows; ++i) {
-        for (int j = 0; j < 4; ++j) {
-          w[i][4 * s + j] = static_cast<int16_t>(group[64 * s + 4 * i + j] - 128);
-        }
-      }
-    }
-  } else {
-    for (int s = 0; s < 4; ++s) {
-      for (int i = 0; i < kRows; ++i) {
-        for (int j = 0; j < 4; ++j) {
-          const int byte = group[64 * s + 4 * i + j];
-          w[i][4 * s + j] = static_cast<int16_t>((byte & 0xF) - 8);
-          w[i][16 + 4 * s + j] = static_cast<int16_t>((byte >> 4) - 8);
-        }
-      }
-    }
-  }
+  unpack_quants<kBits>(group, kBits == 8 ? 128 : 8, w);
   for (int i = 0; i < kRows; ++i) {
     scales[i] = half_bits_to_float(group + quant_bytes(kBits) + 2 * i);
   }

@@ -28,30 +28,6 @@ inline float half_at(const uint8_t* bytes, int i) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// A region's quants as the small integers v [16][32].
-template <int kBits>
-void unpack_values(const uint8_t* quants, int16_t (*v)[kGroup]) {
-  if constexpr (kBits == 8) {
-    for (int s = 0; s < 8; ++s) {
-      for (int i = 0; i < kRows; ++i) {
-        for (int j = 0; j < 4; ++j) {
-          v[i][4 * s + j] = static_cast<int16_t>(quants[64 * s + 4 * i + j] - 128);
-        }
-      }
-    }
-  } else {
-    for (int s = 0; s < 4; ++s) {
-      for (int i = 0; i < kRows; ++i) {
-        for (int j = 0; j < 4; ++j) {
-          const int byte = quants[64 * s + 4 * i + j];
-          v[i][4 * s + j] = static_cast<int16_t>(byte & 0xF);
-          v[i][16 + 4 * s + j] = static_cast<int16_t>(byte >> 4);
-        }
-      }
-    }
-  }
-}
-
 template <int kBits>
 void kdot(const QuantRows& x, int64_t M, const uint8_t* packed, int64_t supers,
           int64_t block_begin, int64_t block_end, float* out, int64_t ldo) {
@@ -71,7 +47,7 @@ void kdot(const QuantRows& x, int64_t M, const uint8_t* packed, int64_t supers,
       }
       for (int64_t t = 0; t < kSuperGroups; ++t) {
         const uint8_t* region = super + t * R;
-        unpack_values<kBits>(region, v);
+        unpack_quants<kBits>(region, kBits == 8 ? 128 : 0, v);  // k4: no offset
         const auto* a0 = reinterpret_cast<const int8_t*>(region + quant_bytes(kBits));
         const int8_t* a1 = a0 + kRows;
         const uint8_t* mins = region + quant_bytes(kBits) + 2 * kRows;

@@ -13,14 +13,15 @@
 // Then per lane (a weight row), exactly as the portable kernel (quant_kdot.cpp):
 //   acc += (d * (float)I - dmin * (float)(m * qsum)) * d_x, each operation rounded to fp32.
 //
-// Tiles: MR rows of x x MB blocks (two 8-lane halves of rows per block), blocks walked in
-// chunks of ~256 KB of weights as in the int kernel.
+// Tiles: MR rows of x x MB blocks (two 8-lane halves of rows per block), walked as
+// quant_tiles.h says.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "quant.h"
+#include "quant_tiles.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "quant_kdot_avx2.cpp must be compiled with the AVX2 flags from setup.py"
@@ -28,8 +29,6 @@
 
 namespace mlafx::avx2 {
 namespace {
-
-constexpr int64_t kChunkBytes = int64_t{256} << 10;
 
 inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
@@ -197,44 +196,26 @@ void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t supers,
   }
 }
 
-// Blocks [b0, b1) for rows m0..m0+MR-1: MB at a time, the rest one by one.
-template <int kBits, int MB, int MR>
-void row_tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t supers,
-              int64_t b0, int64_t b1, int64_t out_block0, float* out, int64_t ldo) {
-  int64_t b = b0;
-  for (; b + MB <= b1; b += MB) {
-    tile<kBits, MB, MR>(x, m0, packed, supers, b, out_block0, out, ldo);
+template <int kBits>
+struct KTiles {
+  const QuantRows& x;
+  const uint8_t* packed;
+  int64_t supers;
+  float* out;
+  int64_t ldo;
+
+  template <int MB, int MR>
+  void tile(int64_t m0, int64_t b, int64_t out_block0) const {
+    avx2::tile<kBits, MB, MR>(x, m0, packed, supers, b, out_block0, out, ldo);
   }
-  for (; b < b1; ++b) {
-    tile<kBits, 1, MR>(x, m0, packed, supers, b, out_block0, out, ldo);
-  }
-}
+};
 
 template <int kBits>
 void kdot(const QuantRows& x, int64_t M, const uint8_t* packed, int64_t supers,
           int64_t block_begin, int64_t block_end, float* out, int64_t ldo) {
   const int64_t block_bytes = std::max<int64_t>(supers, 1) * quant_group_bytes(kBits | 0x100);
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
-  for (int64_t c0 = block_begin; c0 < block_end; c0 += chunk) {
-    const int64_t c1 = std::min(block_end, c0 + chunk);
-    int64_t m0 = 0;
-    for (; m0 + 4 <= M; m0 += 4) {
-      row_tile<kBits, 1, 4>(x, m0, packed, supers, c0, c1, block_begin, out, ldo);
-    }
-    switch (M - m0) {
-      case 3:
-        row_tile<kBits, 1, 3>(x, m0, packed, supers, c0, c1, block_begin, out, ldo);
-        break;
-      case 2:
-        row_tile<kBits, 2, 2>(x, m0, packed, supers, c0, c1, block_begin, out, ldo);
-        break;
-      case 1:
-        row_tile<kBits, 2, 1>(x, m0, packed, supers, c0, c1, block_begin, out, ldo);
-        break;
-      default:
-        break;
-    }
-  }
+  quant_walk_tiles<2>(KTiles<kBits>{x, packed, supers, out, ldo}, M, block_begin, block_end,
+                      block_bytes);
 }
 
 }  // namespace
