@@ -197,25 +197,13 @@ void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t supers,
 }
 
 template <int kBits>
-struct KTiles {
-  const QuantRows& x;
-  const uint8_t* packed;
-  int64_t supers;
-  float* out;
-  int64_t ldo;
-
-  template <int MB, int MR>
-  void tile(int64_t m0, int64_t b, int64_t out_block0) const {
-    avx2::tile<kBits, MB, MR>(x, m0, packed, supers, b, out_block0, out, ldo);
-  }
-};
-
-template <int kBits>
 void kdot(const QuantRows& x, int64_t M, const uint8_t* packed, int64_t supers,
           int64_t block_begin, int64_t block_end, float* out, int64_t ldo) {
   const int64_t block_bytes = std::max<int64_t>(supers, 1) * quant_group_bytes(kBits | 0x100);
-  quant_walk_tiles<2>(KTiles<kBits>{x, packed, supers, out, ldo}, M, block_begin, block_end,
-                      block_bytes);
+  const auto tile_at = [&]<int MB, int MR>(int64_t m0, int64_t b, int64_t out_block0) {
+    tile<kBits, MB, MR>(x, m0, packed, supers, b, out_block0, out, ldo);
+  };
+  quant_walk_tiles<2>(tile_at, M, block_begin, block_end, block_bytes);
 }
 
 }  // namespace

@@ -11,17 +11,18 @@ namespace mlafx {
 
 constexpr int64_t kQuantChunkBytes = int64_t{256} << 10;
 
-// Kernel::tile<MB, MR>(m0, b, out_block0): rows m0..m0+MR-1 of x against blocks b..b+MB-1.
-// Blocks [b0, b1): MB at a time, the rest one by one.
+// kernel.operator()<MB, MR>(m0, b, out_block0) (a templated lambda): rows m0..m0+MR-1 of x
+// against blocks b..b+MB-1 into output block b - out_block0. Blocks [b0, b1): MB at a time,
+// the rest one by one.
 template <int MB, int MR, typename Kernel>
 void quant_row_tile(const Kernel& kernel, int64_t m0, int64_t b0, int64_t b1,
                     int64_t out_block0) {
   int64_t b = b0;
   for (; b + MB <= b1; b += MB) {
-    kernel.template tile<MB, MR>(m0, b, out_block0);
+    kernel.template operator()<MB, MR>(m0, b, out_block0);
   }
   for (; b < b1; ++b) {
-    kernel.template tile<1, MR>(m0, b, out_block0);
+    kernel.template operator()<1, MR>(m0, b, out_block0);
   }
 }
 
