@@ -95,3 +95,13 @@ def test_in_features_not_whole_super_blocks_raise():
         linear_quantized(torch.randn(2, 200), packed, 20)
     with pytest.raises(ValueError, match="blocks of 16 rows"):
         linear_quantized(torch.randn(2, 256), packed, 40)
+
+
+def test_the_memory_estimate_knows_every_repacked_type():
+    """config/ may not import kernels/: its bytes-per-weight table must equal the formats'."""
+    from mlafx.config.gguf_config import REPACKED_BYTES_PER_WEIGHT
+    from mlafx.kernels.ggml_repack import GGML_LOSSLESS_FORMATS, format_bytes_per_weight
+
+    assert REPACKED_BYTES_PER_WEIGHT == {
+        name: format_bytes_per_weight(formats[0]) for name, formats in GGML_LOSSLESS_FORMATS.items()
+    }
