@@ -1,7 +1,12 @@
-"""Peak RSS of a compiled engine over a Q4_0 GGUF at DeepSeek-V2-Lite's real widths, one MoE
-layer, against the GGUF issue's bound (file size x 1.15 + 1 GiB; the KV cache is 64 blocks).
+"""Peak RSS of a compiled engine over a GGUF at DeepSeek-V2-Lite's real widths, one MoE layer,
+against the GGUF issue's bound (file size x 1.15 + 1 GiB; the KV cache is 64 blocks).
 
-    .venv/bin/python bench/gguf_rss.py [PATH]     # writes PATH first if it does not exist
+    .venv/bin/python bench/gguf_rss.py [PATH] [--mix q4_0|q4_k_m]   # writes PATH if missing
+
+``q4_0`` (default): every matrix Q4_0. ``q4_k_m``: llama.cpp's Q4_K_M recipe in short: Q6_K for
+the output, Q4_K for every matrix whose rows hold whole 256-column super-blocks, and llama.cpp's
+fallback Q5_0 for the others (V2-Lite's experts' down rows are 1408 wide); K blocks random valid
+ones (``tests/gguf_files.random_k_blocks``).
 """
 
 from __future__ import annotations
@@ -36,23 +41,35 @@ V2_LITE_1_LAYER = dict(
 )
 
 
-def write(path: Path) -> None:
+def write(path: Path, mix: str) -> None:
     """In a child process, so its tensors do not count in the engine's RSS."""
     import torch
     import transformers
     from gguf_files import Q, block_type, write_gguf
 
+    def q4_k_m(name: str, shape: tuple[int, ...]) -> Q:
+        if name == "output.weight":
+            return Q.Q6_K
+        kind = block_type(Q.Q4_K)(name, shape)
+        return block_type(Q.Q5_0)(name, shape) if kind == Q.F32 else kind
+
     torch.manual_seed(0)
     cfg = transformers.DeepseekV2Config(**V2_LITE_1_LAYER)
     model = transformers.DeepseekV2ForCausalLM(cfg).to(torch.bfloat16).eval()
-    write_gguf(path, model, types=block_type(Q.Q4_0))
+    write_gguf(path, model, types=q4_k_m if mix == "q4_k_m" else block_type(Q.Q4_0))
 
 
 def main() -> None:
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/v2lite_1layer_q4_0.gguf")
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("path", nargs="?")
+    parser.add_argument("--mix", choices=("q4_0", "q4_k_m"), default="q4_0")
+    args = parser.parse_args()
+    path = Path(args.path or f"/tmp/v2lite_1layer_{args.mix}.gguf")
     if not path.exists():
         if os.fork() == 0:
-            write(path)
+            write(path, args.mix)
             os._exit(0)
         os.wait()
     import mlafx

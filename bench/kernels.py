@@ -28,6 +28,7 @@ CASE_MODULES: list[str] = [
     "bench.kernel_cases.latent_cache",
     "bench.kernel_cases.moe_gemm",
     "bench.kernel_cases.quant_gemm",
+    "bench.kernel_cases.kquant_gemm",
     "bench.kernel_cases.fp8_gemm",
     "bench.kernel_cases.attention",
     "bench.kernel_cases.dsa",

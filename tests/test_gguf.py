@@ -3,11 +3,12 @@ kv_b layouts, block types repacked losslessly or dequantized per tensor, tokeniz
 metadata, split files, clear errors. Files are written by ``tests/gguf_files.py``; the
 reference is transformers on exactly the weights the file holds (``gguf.quants.dequantize``).
 
-Tolerances: F32 files and types dequantized at load (Q4_1, Q5_1, K-quants) run fp32 dense
-linears: logprobs within 1e-4 of transformers. Q8_0 / Q4_0 / Q5_0 run mlafx's int8/int4
-kernels, whose semantics quantize activations per group of 32 to int8 (W8A8, as llama.cpp's
-``vec_dot_q8_0_q8_0``): on these random tiny models that moves logprobs by up to ~0.08, so
-they are compared within 0.15 (and a divergence only at a near-tie within 0.15)."""
+Tolerances: F32 files and types dequantized at load (Q4_1, Q5_1) run fp32 dense linears:
+logprobs within 1e-4 of transformers. Q8_0 / Q4_0 / Q5_0 and the K-quants Q4_K / Q5_K / Q6_K
+run mlafx's int8/int4 and k8/k4 kernels, whose semantics quantize activations per group of 32
+to int8 (W8A8, as llama.cpp's ``vec_dot_q8_0_q8_0``): on these random tiny models that moves
+logprobs by up to ~0.08, so they are compared within 0.15 (and a divergence only at a near-tie
+within 0.15)."""
 
 from __future__ import annotations
 
@@ -89,41 +90,109 @@ def test_f32_file_matches_transformers(tmp_path, kv_b, family):
     "qtype, tol",
     [(Q.Q8_0, 0.15), (Q.Q4_0, 0.15), (Q.Q5_0, 0.15), (Q.Q4_1, 1e-4), (Q.Q5_1, 1e-4)],
 )
-def test_block_types_match_transformers_on_the_dequantized_weights(tmp_path, qtype, tol):
+def test_block_types_match_transformers_on_the_dequantized_weights(tmp_path, qtype, tol, caplog):
     hf = _tiny_v3()
-    path = tmp_path / f"{qtype.name}.gguf"
-    state = write_gguf(path, hf, types=block_type(qtype))
-    _check(path, _reference(hf, state), tol)
-
-
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
-def test_k_quant_files_run_dequantized(tmp_path, qtype, caplog):
-    hf = _tiny_v3(hidden_size=256, q_lora_rank=32)
     path = tmp_path / f"{qtype.name}.gguf"
     state = write_gguf(path, hf, types=block_type(qtype))
     with caplog.at_level("WARNING"):
-        _check(path, _reference(hf, state), 1e-4)
-    assert "dequantized to the model dtype" in caplog.text and "token_embd" not in caplog.text
+        _check(path, _reference(hf, state), tol)
+    widened = "dequantized to the model dtype" in caplog.text
+    assert widened == (qtype in (Q.Q4_1, Q.Q5_1)), caplog.text  # logged, by tensor name
+    if widened:
+        assert "blk.0.attn_q_a.weight" in caplog.text and "token_embd" not in caplog.text
 
 
-def test_repacked_modules_hold_the_files_groups_and_compiled_equals_reference(tmp_path):
-    from mlafx.kernels.quant_format import dequantize_weight
-    from mlafx.models.loader import build_model
+# in_features of every matrix a multiple of 256 (K-quant super-blocks); the embedding too
+_K_SIZES = dict(hidden_size=256, q_lora_rank=32, moe_intermediate_size=256, intermediate_size=256)
+
+
+def _quantized_modules(model):
     from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 
-    hf = _tiny_v3()
-    path = tmp_path / "q4_0.gguf"
-    state = write_gguf(path, hf, types=block_type(Q.Q4_0))
-    model = build_model(ModelConfig.from_model(path), "float32", "auto", path, progress=False)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
     experts = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedExperts)]
+    return linears, experts
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_k_quant_files_run_from_their_own_bytes(tmp_path, qtype, caplog):
+    """Every linear and expert stack repacked (k4 / k8, lossless: its dequantized values are
+    the file's), nothing widened; the engine's tokens are transformers' on the file's values
+    (W8A8 tolerance, as Q8_0 / Q4_0)."""
+    from mlafx.kernels.quant_format import dequantize_weight
+    from mlafx.models.loader import build_model
+
+    hf = _tiny_v3(**_K_SIZES)
+    path = tmp_path / f"{qtype.name}.gguf"
+    state = write_gguf(path, hf, types=block_type(qtype))
+    with caplog.at_level("WARNING"):
+        model = build_model(ModelConfig.from_model(path), "float32", "auto", path, progress=False)
+    assert "dequantized to the model dtype" not in caplog.text
+    linears, experts = _quantized_modules(model)
     assert len(linears) >= 10 and len(experts) == 1
+    want_bytes = 2496 if qtype == Q.Q4_K else 4544
     for name, module in linears:
+        assert module.qweight.shape[-1] == want_bytes, name
         w = dequantize_weight(module.qweight, module.out_features, module.in_features)
         assert torch.equal(w, state[f"{name}.weight"]), name
+    _check(path, _reference(hf, state), 0.15)
+
+
+def test_a_q4_k_m_like_file_matches_transformers(tmp_path):
+    """llama.cpp's Q4_K_M mix: Q6_K for the output and the experts' down rows, Q4_K elsewhere;
+    the stack's gate/up (k4) and down (k8) keep their own formats."""
+    from mlafx.kernels.quant_format import dequantize_weight
+    from mlafx.models.loader import build_model
+
+    def types(name, shape):
+        if "ffn_down_exps" in name or name == "output.weight":
+            return Q.Q6_K
+        return block_type(Q.Q4_K)(name, shape)
+
+    hf = _tiny_v3(**_K_SIZES)
+    path = tmp_path / "q4_k_m.gguf"
+    state = write_gguf(path, hf, types=types)
+    model = build_model(ModelConfig.from_model(path), "float32", "auto", path, progress=False)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.gate_up_qweight.shape[-1] == 2496 and experts.down_qweight.shape[-1] == 4544
+    for e in range(experts.down_qweight.shape[0]):
+        w = dequantize_weight(experts.down_qweight[e], 256, 256)
+        assert torch.equal(w, state["model.layers.1.mlp.experts.down_proj"][e])
+    _check(path, _reference(hf, state), 0.15)
+
+
+def test_repacked_modules_hold_the_files_values_and_compiled_equals_reference(tmp_path):
+    """A file of five block types (attention Q4_0, shared expert Q8_0, dense MLP Q5_0, expert
+    gate/up Q4_K, expert down and output Q6_K): every repacked linear and stack holds exactly
+    the file's values, and the compiled engine over those bytes gives the eager path's tokens."""
+    from mlafx.kernels.quant_format import dequantize_weight
+    from mlafx.models.loader import build_model
+
+    def types(name, shape):
+        if "ffn_down_exps" in name or name == "output.weight":
+            return Q.Q6_K
+        if "_exps" in name:
+            return Q.Q4_K
+        for part, qtype in (("attn_", Q.Q4_0), ("_shexp", Q.Q8_0), ("ffn_", Q.Q5_0)):
+            if part in name:
+                return block_type(qtype)(name, shape)
+        return Q.F32
+
+    hf = _tiny_v3(**_K_SIZES)
+    path = tmp_path / "mixed.gguf"
+    state = write_gguf(path, hf, types=types)
+    model = build_model(ModelConfig.from_model(path), "float32", "auto", path, progress=False)
+    linears, experts = _quantized_modules(model)
+    assert len(linears) >= 10 and len(experts) == 1
+    formats = set()
+    for name, module in linears:
+        formats.add(module.qweight.shape[-1])
+        w = dequantize_weight(module.qweight, module.out_features, module.in_features)
+        assert torch.equal(w, state[f"{name}.weight"]), name
+    assert formats == {288, 544, 4544}  # int4, int8 (Q8_0, Q5_0), k8 (the output)
     name, module = experts[0]
     for e in range(module.gate_up_qweight.shape[0]):
-        w = dequantize_weight(module.gate_up_qweight[e], 2 * module.intermediate_size, 64)
+        w = dequantize_weight(module.gate_up_qweight[e], 512, 256)
         assert torch.equal(w, state[f"{name}.gate_up_proj"][e])
     # the compiled engine over the same bytes: the same tokens as the eager reference path
     runs = []
@@ -149,13 +218,15 @@ def test_split_files_load_as_one(tmp_path):
     _check(parts[0], _reference(hf, state), 1e-4)
 
 
-def test_memory_estimate_is_the_loaded_bytes(tmp_path):
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_memory_estimate_is_the_loaded_bytes(tmp_path, qtype):
     from mlafx.config.gguf_file import open_gguf
     from mlafx.config.memory import weight_bytes
     from mlafx.models.loader import build_model
 
-    path = tmp_path / "q4_0.gguf"
-    write_gguf(path, _tiny_v3(), types=block_type(Q.Q4_0))
+    path = tmp_path / f"{qtype.name}.gguf"
+    hf = _tiny_v3() if qtype == Q.Q4_0 else _tiny_v3(**_K_SIZES)
+    write_gguf(path, hf, types=block_type(qtype))
     model = build_model(ModelConfig.from_model(path), "float32", "auto", path, progress=False)
     seen, loaded = set(), 0
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -209,7 +280,7 @@ def test_errors_name_the_tensor_or_key(tmp_path):
 def _byte_level_bpe():
     from tokenizers import Tokenizer, decoders, models, trainers
 
-    from mlafx.runtime.gguf_tokenizer import pre_tokenizer
+    from mlafx.config.gguf_tokenizer import pre_tokenizer
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizer("deepseek-v3")
@@ -258,6 +329,36 @@ def test_tokenizer_from_the_metadata_encodes_like_the_hf_one(tmp_path):
     bos, eos = (hf_tok.id_to_token(i) for i in (0, 1))
     assert template.special_tokens == {"bos_token": bos, "eos_token": eos}
     assert template.render([{"role": "user", "content": "hi"}]) == f"{bos}user:hi{eos}"
+    # an artifact exported from the file ships the same tokenizer and template as files
+    out = tmp_path / "artifact"
+    mlafx.export(str(path), str(out), format="pt2", dtype="float32", progress=False)
+    shipped = load_tokenizer(out)
+    assert [shipped.encode(s).ids for s in strings] == [tok.encode(s).ids for s in strings]
+    assert load_chat_template(out) == template
+
+
+def test_kimi_k2_pre_tokenizer_splits_as_its_tiktoken_pattern():
+    """``kimi-k2`` (Kimi's tiktoken ``pat_str``, whose Han-excluding class intersections
+    Oniguruma runs inside ``tokenizers``) against the same pattern in the ``regex`` module
+    (tiktoken's own semantics), on a few hundred mixed-script strings."""
+    import random
+
+    import regex
+    from tokenizers import Regex, pre_tokenizers
+
+    from mlafx.config.gguf_tokenizer import PRE_TOKENIZER_SPLITS
+
+    (pattern,) = PRE_TOKENIZER_SPLITS["kimi-k2"]
+    split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+    reference = regex.compile(pattern, flags=regex.V1)
+    rng = random.Random(0)
+    pieces = ["Hello", " world", "123456", "日本語", "中文字", "ünï", "\n", "  ", "I'll", "DON'T",
+              "café", "x**2", "🙂", "Ωmega", "\t", "fox.", "ÀBc", "ａｂｃ", "カタカナ", "한국어",
+              "\r\n", " ?!", "abcDEF", "٣٤٥", "don't"]  # fmt: skip
+    for _ in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 8)))
+        got = [piece for piece, _ in split.pre_tokenize_str(text)]
+        assert got == reference.findall(text), text
 
 
 GGUF_TEMPLATE = (

@@ -22,9 +22,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kquant_cases import Q, kquant_moe_case, kquant_weight
 
 from mlafx.kernels import linear_quantized, quant_cpu_isa, quantize_linear_weight
 from mlafx.kernels import quant_format as qf
+from mlafx.kernels.kquant_format import kquant_name
 from mlafx.kernels.quant_ops import quantize_experts
 from mlafx.kernels.quant_reference import (
     linear_quantized_f64,
@@ -58,8 +60,12 @@ def _assert_within_bound(out, x, packed, N, bias=None):
     u = UNIT_ROUNDOFF[x.dtype]
     finfo = torch.finfo(x.dtype)
     half_subnormal = finfo.tiny * finfo.eps / 2
-    groups = packed.shape[1]
-    bound = u * exact.abs() + (groups + 3) * 2.0**-24 * magnitude * (1 + u) + half_subnormal
+    # a k8/k4 term is 5 roundings (two products, their difference, * d_x, the add), over 8
+    # groups of 32 per super-block; an int8/int4 term 3
+    kquant = kquant_name(packed) is not None
+    groups = packed.shape[1] * (8 if kquant else 1)
+    rounds = 5 if kquant else 3
+    bound = u * exact.abs() + (groups + rounds) * 2.0**-24 * magnitude * (1 + u) + half_subnormal
     if bias is not None:
         exact = exact + bias.double()
         bound = bound + u * exact.abs() + u * (1 + u) * magnitude + half_subnormal
@@ -205,7 +211,7 @@ def test_opcheck(M, dtype, bits):
         ("x_float64", TypeError, "x must be bfloat16, float16 or float32"),
         ("x_1d", ValueError, r"x must be \[num_rows, in_features\]"),
         ("not_uint8", TypeError, "packed_weight must be uint8"),
-        ("not_packed", ValueError, "packed_weight must come from quantize_linear_weight"),
+        ("not_packed", ValueError, "packed_weight must be an int8/int4 weight"),
         ("out_features", ValueError, "out_features = 40 does not match"),
         ("in_features", ValueError, "x has 70 features but packed_weight has 2 groups"),
         ("x_last_dim_strided", ValueError, "x's last dim must be contiguous"),
@@ -304,8 +310,16 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
         for M, K, N in shapes:
             x = _rows(M, K, torch.bfloat16, gen, "strided")
             linear_cases.append((x, quantize_linear_weight(_weight(N, K, gen), bits), N))
-    # moe: the streaming path (few pairs per expert) and the per-expert GEMM path (> 16)
+    # the K formats (GGUF's Q4_K as k4, Q6_K and Q5_K as k8): every row-tile remainder, N
+    # not a multiple of 16, several super-blocks and weight chunks
+    for qtype in (Q.Q4_K, Q.Q6_K, Q.Q5_K):
+        for M, K, N in [(1, 256, 33), (2, 512, 17), (3, 256, 40), (4, 2048, 200), (9, 768, 20)]:
+            x = _rows(M, K, torch.bfloat16, gen, "strided")
+            linear_cases.append((x, kquant_weight(qtype, N, K, gen), N))
+    # moe: the streaming path (few pairs per expert) and the per-expert GEMM path (> 16), and
+    # a GGUF Q4_K_M-like stack (gate/up k4, down k8)
     moe_cases = [_moe_case(T, 64 + 13, 21, 3, 2, bits, gen) for bits in (8, 4) for T in (3, 40)]
+    moe_cases += [kquant_moe_case(T, 256, 256, 3, 2, gen) for T in (3, 40)]
     # the weight quantizer (AVX2: 8 groups per vector), odd K and a zero-padded last block
     weight_cases = [
         (_weight(N, K, gen, dtype), bits)
@@ -324,7 +338,7 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"} <= flags:
         assert isa == "avx512_vnni", isa
     for (x, packed, n), out, expected in zip(linear_cases, best, portable, strict=True):
-        assert torch.equal(out, expected), (isa, tuple(x.shape), n, qf.bits_of(packed))
+        assert torch.equal(out, expected), (isa, tuple(x.shape), n, packed.shape[-1])
         _assert_within_bound(out, x, packed, n)
     for args, out, expected in zip(moe_cases, best_moe, portable_moe, strict=True):
         assert torch.equal(out, expected), (isa, tuple(args[0].shape))

@@ -197,23 +197,31 @@ def gguf_config_dict(gguf: GgufFile) -> dict[str, Any]:
     }
 
 
-# GGUF types that repack into mlafx's int8/int4 layouts without loss -> bytes per weight there
-# (kernels/quant_format.GGML_LOSSLESS_BITS; Q5_0 runs as int8)
-_REPACKED_BYTES_PER_WEIGHT = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q5_0": 34 / 32}
+# GGUF types mlafx runs from their own bytes -> bytes per weight once repacked into their
+# smallest format (kernels/ggml_repack.py, which config/ may not import; a test holds the two
+# equal): int8 544 / int4 288 bytes per 16 x 32 weights, k4 2496 / k8 4544 per 16 x 256
+REPACKED_BYTES_PER_WEIGHT = {
+    "Q8_0": 544 / 512,
+    "Q4_0": 288 / 512,
+    "Q5_0": 544 / 512,
+    "Q4_K": 2496 / 4096,
+    "Q5_K": 4544 / 4096,
+    "Q6_K": 4544 / 4096,
+}
 _FP32_TENSORS = (".ffn_gate_inp.weight", ".exp_probs_b.bias")  # the router stays float32
 _MODEL_DTYPE_TENSORS = ("token_embd.", "_norm.", ".attn_kv_b.", ".attn_k_b.", ".attn_v_b.")
 
 
 def gguf_resident_bytes(gguf: GgufFile, size_of: int) -> int:
-    """The weights' bytes once a GGUF model is loaded in a dtype of ``size_of`` bytes: Q8_0 /
-    Q4_0 / Q5_0 linears and experts repacked, the router in float32, every other tensor in the
-    model dtype (``models/gguf_checkpoint.py``)."""
+    """The weights' bytes once a GGUF model is loaded in a dtype of ``size_of`` bytes: linears
+    and experts of the types in ``REPACKED_BYTES_PER_WEIGHT`` repacked, the router in float32,
+    every other tensor in the model dtype (``models/gguf_checkpoint.py``)."""
     total = 0.0
     for tensor in gguf.tensors.values():
         per: float = size_of
         if tensor.name.endswith(_FP32_TENSORS):
             per = 4
         elif not any(part in tensor.name for part in _MODEL_DTYPE_TENSORS):
-            per = _REPACKED_BYTES_PER_WEIGHT.get(tensor.type_name, size_of)
+            per = REPACKED_BYTES_PER_WEIGHT.get(tensor.type_name, size_of)
         total += tensor.numel * per
     return int(total)

@@ -8,7 +8,7 @@ one (:func:`load_artifact`).
     DIR/step.pt2             pt2:  the torch.export program, weights as inputs (pt2_step.py)
     DIR/step.onnx            onnx: the functional step; its initializers point into
                              weights.safetensors (onnx_export.py)
-    DIR/tokenizer.json       when the model has one
+    DIR/tokenizer.json       when the model has one (a GGUF's: rebuilt from its metadata)
     DIR/tokenizer_config.json, chat_template.jinja   with it, when the model has them
 
 Pickled data: none in weights.safetensors, manifest.json or step.onnx. Each ``layer-<k>.pt2`` of
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from mlafx.compile.compiled_step import (
 )
 from mlafx.compile.layer_kinds import LayerKind, layer_kinds
 from mlafx.config import ModelConfig
+from mlafx.config.gguf_tokenizer import save_gguf_tokenizer
 from mlafx.export.isa import aoti_cpu_requirements
 from mlafx.export.manifest import (
     FORMATS,
@@ -106,15 +108,19 @@ def export(
             cfg, dtype, load_format, model_dir, seed=seed, progress=progress,
             quantization=quantization,
         )  # fmt: skip
-    tokenizer = model_dir / TOKENIZER_FILE if model_dir is not None else None
-    return export_model(
-        built,
-        Path(output),
-        format,
-        block_size=block_size,
-        tokenizer=tokenizer if tokenizer is not None and tokenizer.is_file() else None,
-        compile_cache_dir=None if compile_cache_dir is None else Path(compile_cache_dir),
-    )
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer = model_dir / TOKENIZER_FILE if model_dir is not None else None
+        if model_dir is not None and model_dir.suffix == ".gguf":  # from the metadata
+            tokenizer = Path(scratch) / TOKENIZER_FILE
+            save_gguf_tokenizer(model_dir, Path(scratch))
+        return export_model(
+            built,
+            Path(output),
+            format,
+            block_size=block_size,
+            tokenizer=tokenizer if tokenizer is not None and tokenizer.is_file() else None,
+            compile_cache_dir=None if compile_cache_dir is None else Path(compile_cache_dir),
+        )
 
 
 def export_model(

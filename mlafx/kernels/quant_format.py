@@ -162,7 +162,11 @@ def unpack_groups(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_weight(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """packed -> W [N, K] float32, exactly d * (q - z) (a float16 scale times a small integer
-    is exact in float32)."""
+    is exact in float32); a k8/k4 weight by ``kquant_format``'s rule."""
+    from mlafx.kernels import kquant_format  # it builds on this module
+
+    if kquant_format.kquant_name(packed) is not None:
+        return kquant_format.dequantize_kquant(packed, out_features)[:, :in_features]
     q, d = unpack_groups(packed)
     w = q.float() * d.float().unsqueeze(-1)
     return w.reshape(w.shape[0], -1)[:out_features, :in_features]

@@ -1,7 +1,8 @@
 """Typed wrappers and fakes of the int8/int4 quantized ops (schemas: ``csrc/quant_*.cpp``).
 
-The format (what the packed bytes mean, the activation quantization, the semantics) is
-defined in ``quant_format.py``: a weight is quantized once, at load time, with
+The formats (what the packed bytes mean, the activation quantization, the semantics) are
+defined in ``quant_format.py`` (int8, int4) and ``kquant_format.py`` (k8, k4: GGUF's K-quants,
+repacked at load): a weight is quantized once, at load time, with
 :func:`quantize_linear_weight`; :func:`linear_quantized` and :func:`moe_experts_quantized`
 quantize their activations per row and group of 32 to int8 and take exact integer dots
 (W8A8). References: ``quant_format.py`` (the semantics) and ``quant_reference.py`` (float64).
@@ -12,12 +13,21 @@ from __future__ import annotations
 import torch
 
 from mlafx.kernels.extension import load_extension
-from mlafx.kernels.quant_format import GROUP, QUANT_BYTES, bits_of, group_bytes, packed_shape
+from mlafx.kernels.kquant_format import KQUANT_GROUP_BYTES, SUPER
+from mlafx.kernels.quant_format import (
+    BLOCK_ROWS,
+    GROUP,
+    QUANT_BYTES,
+    bits_of,
+    group_bytes,
+    packed_shape,
+)
 
 load_extension()  # the schemas must be registered before fakes can attach to them
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _GROUP_BYTES = tuple(group_bytes(bits) for bits in QUANT_BYTES)
+_KQUANT_GROUP_BYTES = tuple(KQUANT_GROUP_BYTES)  # compared, never hashed: dims may be symbolic
 
 
 @torch.library.register_fake("mlafx::quantize_linear_weight")
@@ -32,8 +42,14 @@ def _quantize_linear_weight_fake(weight: torch.Tensor, bits: int) -> torch.Tenso
 def _check_packed(packed: torch.Tensor, rows: int, width: int, lead: tuple[int, ...] = ()) -> None:
     torch._check(packed.dtype == torch.uint8, lambda: f"packed dtype {packed.dtype} != uint8")
     torch._check(packed.dim() == 3 + len(lead), lambda: f"packed shape {tuple(packed.shape)}")
-    torch._check(packed.shape[-1] in _GROUP_BYTES, lambda: f"packed last dim {packed.shape[-1]}")
-    blocks, groups, _ = packed_shape(rows, width, 8)
+    last = packed.shape[-1]
+    kquant = last in _KQUANT_GROUP_BYTES
+    torch._check(last in _GROUP_BYTES or kquant, lambda: f"packed last dim {last}")
+    if kquant:
+        torch._check(width % SUPER == 0, lambda: f"a k8/k4 weight needs K % {SUPER} == 0")
+        blocks, groups = -(-rows // BLOCK_ROWS), width // SUPER
+    else:
+        blocks, groups, _ = packed_shape(rows, width, 8)
     torch._check(
         tuple(packed.shape[:-1]) == (*lead, blocks, groups),
         lambda: f"packed shape {tuple(packed.shape)} does not hold [{rows}, {width}]",
@@ -77,7 +93,6 @@ def _moe_experts_quantized_fake(
     num_experts = w13.shape[0]
     _check_packed(w13, 2 * intermediate_size, x.shape[1], (num_experts,))
     _check_packed(w2, x.shape[1], intermediate_size, (num_experts,))
-    torch._check(w13.shape[-1] == w2.shape[-1], lambda: "w13 and w2 must have one format")
     return x.new_empty(x.shape)  # contiguous, whatever x's strides
 
 

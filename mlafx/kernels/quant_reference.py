@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mlafx.kernels.kquant_format import kquant_name, unpack_kquant
 from mlafx.kernels.quant_format import dequantize_weight, quantize_activations
 
 
@@ -31,9 +32,19 @@ def linear_quantized_f64(
 
 
 def magnitude_f64(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """|q_x d_x| @ |W|^T in float64: the scale of the fp32 summation error."""
-    w = dequantize_weight(packed, out_features, x.shape[1]).double()
-    return dequantized_activations(x).abs() @ w.abs().t()
+    """|q_x d_x| @ |W|^T in float64: the scale of the fp32 summation error. For a k8/k4
+    weight |W| is |d a v| + |dmin m|: the kernels round the two products before subtracting."""
+    if kquant_name(packed) is not None:
+        v, a, m, d, dmin = unpack_kquant(packed)
+        rows, groups = d.shape
+        halves = v.view(rows, groups, 8, 2, 16).double() * a.double().unsqueeze(-1)
+        scaled = (halves * d.double().view(rows, groups, 1, 1, 1)).abs()
+        offset = (m.double() * dmin.double().view(rows, groups, 1)).abs()
+        w = (scaled + offset.view(rows, groups, 8, 1, 1)).reshape(rows, -1)
+        w = w[:out_features, : x.shape[1]]
+    else:
+        w = dequantize_weight(packed, out_features, x.shape[1]).double().abs()
+    return dequantized_activations(x).abs() @ w.t()
 
 
 def moe_experts_quantized_f64(

@@ -7,16 +7,18 @@ Names: llama.cpp's ``deepseek2`` tensors (``_GLOBAL``, ``_PER_LAYER``) map onto 
 [H, Lkv, P] (stored transposed per head) and ``attn_v_b`` [H, V, Lkv].
 
 How each lands (``GgufPlan``, found from the header before any byte is read):
-- **repacked** (lossless, ``kernels/quant_format.repack_ggml``): a linear (not ``kv_b_proj``)
-  or a whole expert stack stored as Q8_0, Q4_0 or Q5_0 becomes a ``QuantizedLinear`` /
-  ``QuantizedExperts`` over the same groups of 32 weights and float16 scale (Q4_0 as int4;
-  Q8_0 and Q5_0 as int8, and Q4_0 too in a stack whose other parts need int8).
+- **repacked** (lossless, ``kernels/ggml_repack``): a linear (not ``kv_b_proj``) or an expert
+  stack stored as Q8_0, Q4_0, Q5_0, Q4_K, Q5_K or Q6_K becomes a ``QuantizedLinear`` /
+  ``QuantizedExperts`` over the same quants and scales: Q4_0 as int4, Q8_0 and Q5_0 as int8,
+  Q4_K as k4, Q5_K and Q6_K as k8 (a stack's gate and up rows share one format, so Q4_0 goes
+  to int8 or Q4_K to k8 beside a wider sibling; its down rows have their own).
 - **mapped**: a tensor stored in the target's dtype (F32 / F16 / BF16) and shape is the
   target, over a private mapping of its bytes (``safetensors_file.map_bytes``): never copied.
 - **dequantized** into the target's dtype: everything else (the embedding, norms, router,
-  ``kv_b_proj``, and any linear whose type mlafx does not run from its bytes: Q4_1, Q5_1, the
-  K-quants, ...) with ``gguf.quants.dequantize`` (llama.cpp's own decoding), a chunk of rows
-  at a time. Linears and experts widened this way are logged by name with the extra bytes.
+  ``kv_b_proj``, and any linear whose type mlafx does not run from its bytes: Q4_1, Q5_1,
+  Q2_K, Q3_K, the IQ types, ...) with ``gguf.quants.dequantize`` (llama.cpp's own decoding),
+  a chunk of rows at a time. Linears and experts widened this way are logged by name with
+  the extra bytes.
 
 Every missing, unexpected or mis-shaped tensor is reported by name in one ``WeightLoadError``
 before anything is read.
@@ -36,13 +38,14 @@ from tqdm import tqdm
 
 from mlafx.config import ModelConfig
 from mlafx.config.gguf_file import GgufFile, GgufTensor
-from mlafx.kernels.quant_format import (
-    BLOCK_ROWS,
-    GGML_LOSSLESS_BITS,
-    packed_shape,
-    repack_ggml,
-    stack_packed_rows,
+from mlafx.kernels.ggml_repack import (
+    GGML_LOSSLESS_FORMATS,
+    common_format,
+    packed_weight_shape,
+    repack_ggml_weight,
+    stack_rows,
 )
+from mlafx.kernels.quant_format import BLOCK_ROWS
 from mlafx.models.layers import submodule
 from mlafx.models.packed_int4_checkpoint import CheckpointReader, replace_module
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
@@ -98,11 +101,12 @@ class _Fill:
 
 @dataclass(frozen=True)
 class _Repack:
-    """A linear (``sources`` = its weight) or an expert stack (gate, up, down) repacked."""
+    """A linear (``sources`` = its weight) or an expert stack (gate, up, down) repacked into
+    ``formats`` (``kernels/ggml_repack``: the linear's, or the stack's gate_up and down)."""
 
     module: str
     sources: tuple[GgufTensor, ...]
-    bits: int
+    formats: tuple[str, ...]
 
 
 @dataclass
@@ -188,9 +192,9 @@ def plan_gguf(model: nn.Module, gguf: GgufFile, cfg: ModelConfig) -> GgufPlan:
             )
             if gate is None or up is None or down is None:
                 continue
-            bits = _stack_bits((gate, up, down))
-            if bits is not None:
-                plan.experts.append(_Repack(owner, (gate, up, down), bits))
+            formats = _stack_formats((gate, up, down))
+            if formats is not None:
+                plan.experts.append(_Repack(owner, (gate, up, down), formats))
                 continue
             plan.fills.append(_Fill(key, (gate, up), "gate_up"))
             plan.fills.append(_Fill(down_key, (down,)))
@@ -231,7 +235,7 @@ def plan_gguf(model: nn.Module, gguf: GgufFile, cfg: ModelConfig) -> GgufPlan:
         linear = modules.get(owner)
         leaf = owner.rpartition(".")[2]
         is_weight = key.endswith(".weight") and isinstance(linear, nn.Linear)
-        lossless = GGML_LOSSLESS_BITS.get(source.type_name)
+        lossless = GGML_LOSSLESS_FORMATS.get(source.type_name)
         if (
             isinstance(linear, nn.Linear)
             and is_weight
@@ -240,7 +244,7 @@ def plan_gguf(model: nn.Module, gguf: GgufFile, cfg: ModelConfig) -> GgufPlan:
             and linear.bias is None
             and key != "model.embed_tokens.weight"
         ):
-            plan.linears.append(_Repack(owner, (source,), lossless[0]))
+            plan.linears.append(_Repack(owner, (source,), lossless[:1]))
             continue
         plan.fills.append(_Fill(key, (source,)))
         if is_weight and leaf not in _KEPT and source.type_name not in _PLAIN:
@@ -265,27 +269,34 @@ def plan_gguf(model: nn.Module, gguf: GgufFile, cfg: ModelConfig) -> GgufPlan:
     return plan
 
 
-def _stack_bits(parts: tuple[GgufTensor, ...]) -> int | None:
-    """The int format an expert stack repacks into without loss (None: dequantized)."""
-    options = [set(GGML_LOSSLESS_BITS.get(t.type_name, ())) for t in parts]
-    common = set.intersection(*options)
-    if not common:
+def _stack_formats(parts: tuple[GgufTensor, ...]) -> tuple[str, str] | None:
+    """The formats an expert stack (gate, up, down) repacks into without loss: one for the
+    gate and up rows together, one for down (None: dequantized)."""
+    gate, up, down = parts
+    gate_up = common_format([gate.type_name, up.type_name])
+    down_format = common_format([down.type_name])
+    if gate_up is None or down_format is None:
         return None
-    return min(common)
+    return gate_up, down_format
 
 
 def install_gguf_modules(model: nn.Module, plan: GgufPlan) -> None:
     """Swap each repacked linear / expert stack for its quantized module (buffers on meta)."""
     for r in plan.linears:
         n, k = r.sources[0].shape
-        meta = torch.empty(packed_shape(n, k, r.bits), dtype=torch.uint8, device="meta")
+        meta = torch.empty(
+            packed_weight_shape(r.formats[0], n, k), dtype=torch.uint8, device="meta"
+        )
         replace_module(model, r.module, QuantizedLinear(k, n, meta))
     for r in plan.experts:
         e, i, d = r.sources[0].shape
+        gate_up_format, down_format = r.formats
         gate_up = torch.empty(
-            (e, *packed_shape(2 * i, d, r.bits)), dtype=torch.uint8, device="meta"
+            (e, *packed_weight_shape(gate_up_format, 2 * i, d)), dtype=torch.uint8, device="meta"
         )
-        down = torch.empty((e, *packed_shape(d, i, r.bits)), dtype=torch.uint8, device="meta")
+        down = torch.empty(
+            (e, *packed_weight_shape(down_format, d, i)), dtype=torch.uint8, device="meta"
+        )
         replace_module(model, r.module, QuantizedExperts(i, gate_up, down))
 
 
@@ -401,7 +412,9 @@ def _repack_linear(module: QuantizedLinear, reader: _Reader, r: _Repack) -> None
     out = torch.empty(module.qweight.shape, dtype=torch.uint8)
     for start in range(0, n, _REPACK_ROWS):
         stop = min(n, start + _REPACK_ROWS)
-        chunk = repack_ggml(source.type_name, rows[start:stop], stop - start, k, r.bits)
+        chunk = repack_ggml_weight(
+            source.type_name, rows[start:stop], stop - start, k, r.formats[0]
+        )
         out[start // BLOCK_ROWS : start // BLOCK_ROWS + chunk.shape[0]] = chunk
     module.qweight = out
 
@@ -411,17 +424,22 @@ def _repack_experts(module: QuantizedExperts, reader: _Reader, r: _Repack) -> No
     e, i, d = gate.shape
     gate_up = torch.empty(module.gate_up_qweight.shape, dtype=torch.uint8)
     down_q = torch.empty(module.down_qweight.shape, dtype=torch.uint8)
+    gate_up_format, down_format = r.formats
     for x in range(e):
         if gate.type_name == up.type_name:
             rows = torch.cat(
                 [reader.rows(_expert_slice(gate, x)), reader.rows(_expert_slice(up, x))]
             )
-            gate_up[x] = repack_ggml(gate.type_name, rows, 2 * i, d, r.bits)
-        else:  # two types (both int8-able): each half's groups as they are, stacked
-            halves = [repack_ggml(t.type_name, reader.rows(_expert_slice(t, x)), i, d, r.bits)
-                      for t in (gate, up)]  # fmt: skip
-            gate_up[x] = stack_packed_rows([(h, i) for h in halves])
-        down_q[x] = repack_ggml(down.type_name, reader.rows(_expert_slice(down, x)), d, i, r.bits)
+            gate_up[x] = repack_ggml_weight(gate.type_name, rows, 2 * i, d, gate_up_format)
+        else:  # two types sharing a format: each half's groups as they are, stacked
+            halves = [
+                repack_ggml_weight(t.type_name, reader.rows(_expert_slice(t, x)), i, d,
+                                   gate_up_format)
+                for t in (gate, up)
+            ]  # fmt: skip
+            gate_up[x] = stack_rows(gate_up_format, [(h, i) for h in halves])
+        down_rows = reader.rows(_expert_slice(down, x))
+        down_q[x] = repack_ggml_weight(down.type_name, down_rows, d, i, down_format)
     module.gate_up_qweight, module.down_qweight = gate_up, down_q
 
 

@@ -28,13 +28,9 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from mlafx.config.gguf_tokenizer import gguf_chat_template
+
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
-_GGUF_TOKEN_IDS = {
-    "bos_token": "tokenizer.ggml.bos_token_id",
-    "eos_token": "tokenizer.ggml.eos_token_id",
-    "unk_token": "tokenizer.ggml.unknown_token_id",
-    "pad_token": "tokenizer.ggml.padding_token_id",
-}
 
 
 class ChatTemplateError(ValueError):
@@ -94,16 +90,8 @@ def load_chat_template(model: str | Path) -> ChatTemplate | None:
 
 
 def _gguf_template(metadata: dict[str, Any]) -> ChatTemplate | None:
-    source = metadata.get("tokenizer.chat_template")
-    if not isinstance(source, str):
-        return None
-    vocabulary = metadata.get("tokenizer.ggml.tokens") or []
-    tokens = {}
-    for name, key in _GGUF_TOKEN_IDS.items():
-        token_id = metadata.get(key)
-        if isinstance(token_id, int) and 0 <= token_id < len(vocabulary):
-            tokens[name] = vocabulary[token_id]
-    return ChatTemplate(source, tokens)
+    template = gguf_chat_template(metadata)
+    return None if template is None else ChatTemplate(*template)
 
 
 def _raise_exception(message: str) -> None:

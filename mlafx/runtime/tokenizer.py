@@ -1,5 +1,5 @@
 """Optional text support: a model directory's ``tokenizer.json`` (HF ``tokenizers``), or a GGUF
-file's tokenizer metadata (``runtime/gguf_tokenizer.py``)."""
+file's tokenizer metadata (``config/gguf_tokenizer.py``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ def load_tokenizer(model: str | Path) -> Any | None:
     prompts only)."""
     if str(model).endswith(".gguf"):
         from mlafx.config.gguf_file import open_gguf
-        from mlafx.runtime.gguf_tokenizer import gguf_tokenizer
+        from mlafx.config.gguf_tokenizer import gguf_tokenizer
 
         return gguf_tokenizer(open_gguf(model))
     path = Path(model) / "tokenizer.json"

@@ -20,8 +20,49 @@ constexpr int64_t kQuantGroup = 32;      // columns per scale
 constexpr int64_t kQuantBlockRows = 16;  // rows per block (16 int32 lanes)
 
 constexpr int64_t quant_bytes(int bits) { return bits == 8 ? 512 : 256; }
-// Bytes per block and group: quants, then 16 fp16 scales.
-constexpr int64_t quant_group_bytes(int bits) { return quant_bytes(bits) + 2 * kQuantBlockRows; }
+
+// Weight formats, the `format` argument of the products (named by their bits for the int
+// formats): int8 / int4 in groups of 32 columns with one fp16 scale (quant_format.py), and
+// k8 / k4 in super-blocks of 256 columns holding GGUF's K-quants (kquant_format.py: per
+// group of 32 the quants as int8 / int4 lay them out, then int8 a_0[16], a_1[16], uint8
+// m[16]; after the 8 groups fp16 d[16], dmin[16]).
+constexpr int kFormatInt8 = 8;
+constexpr int kFormatInt4 = 4;
+constexpr int kFormatK8 = 0x108;
+constexpr int kFormatK4 = 0x104;
+constexpr bool is_kquant(int format) { return format > 0xFF; }
+constexpr int format_bits(int format) { return format & 0xFF; }
+constexpr int64_t kSuperGroups = 8;  // groups of 32 per K super-block
+constexpr int64_t kquant_region_bytes(int bits) { return quant_bytes(bits) + 3 * kQuantBlockRows; }
+// Bytes per block and group (a super-block for the K formats): the last dim S.
+constexpr int64_t quant_group_bytes(int format) {
+  return is_kquant(format)
+             ? kSuperGroups * kquant_region_bytes(format_bits(format)) + 4 * kQuantBlockRows
+             : quant_bytes(format) + 2 * kQuantBlockRows;
+}
+// Columns per group of a packed weight: 32, or 256 for the K formats.
+constexpr int64_t quant_group_columns(int format) {
+  return is_kquant(format) ? kSuperGroups * kQuantGroup : kQuantGroup;
+}
+
+// A group's quants, laid out for VPDPBUSD (byte 64s + 4i + j: row i's column 4s + j; int4:
+// low nibble column 4s + j, high 16 + 4s + j), as the small integers v[16][32] = stored - z.
+template <int kBits>
+inline void unpack_quants(const uint8_t* quants, int z, int16_t (*v)[kQuantGroup]) {
+  for (int s = 0; s < (kBits == 8 ? 8 : 4); ++s) {
+    for (int i = 0; i < kQuantBlockRows; ++i) {
+      for (int j = 0; j < 4; ++j) {
+        const int byte = quants[64 * s + 4 * i + j];
+        if constexpr (kBits == 8) {
+          v[i][4 * s + j] = static_cast<int16_t>(byte - z);
+        } else {
+          v[i][4 * s + j] = static_cast<int16_t>((byte & 0xF) - z);
+          v[i][16 + 4 * s + j] = static_cast<int16_t>((byte >> 4) - z);
+        }
+      }
+    }
+  }
+}
 
 // Rows of x quantized per group of 32 columns (quant_format.quantize_activations):
 //   q [M, ldq] int8 in [-127, 127] (zero past K), d [M, G] fp32, qsum [M, G] = sum of q.
@@ -37,11 +78,18 @@ struct QuantRows {
 
 // out[m * ldo + 16 * (b - block_begin) + i] = sum_g d_w[16b+i, g] * d_x[m, g] * isum(m, b, i, g)
 // for m < M, block_begin <= b < block_end, i < 16, summed in fp32 in group order; packed is
-// uint8 [NB, G, S]. The AVX-512 VNNI kernel when use_avx512_vnni(), else the AVX2 one when
-// use_avx2(), else the portable one; all three give bit-identical results.
+// uint8 [NB, G, S] in `format` (G counts super-blocks for the K formats, whose terms are
+// kquant_format.py's). Int formats: the AVX-512 VNNI kernel when use_avx512_vnni(), else the
+// AVX2 one when use_avx2(), else the portable one; K formats: the AVX2 kernel when use_avx2()
+// (on AVX-512 hosts too), else the portable one. Every path gives bit-identical results.
 // Single-threaded: callers give each thread its own range of blocks.
-void quant_dot(int bits, const QuantRows& x, int64_t M, const uint8_t* packed, int64_t groups,
+void quant_dot(int format, const QuantRows& x, int64_t M, const uint8_t* packed, int64_t groups,
                int64_t block_begin, int64_t block_end, float* out, int64_t ldo);
+
+// quant_dot's K-format kernels (quant_kdot.cpp, quant_kdot_avx2.cpp).
+void kquant_dot_portable(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
+                         int64_t supers, int64_t block_begin, int64_t block_end, float* out,
+                         int64_t ldo);
 
 }  // namespace mlafx
 
@@ -66,5 +114,11 @@ void quant_dot_avx2(int bits, const QuantRows& x, int64_t M, const uint8_t* pack
 // the signed quant; int4: q + 8 in [0, 15]) and the 8 fp16 scales' bits, bit-identical to the
 // portable quantize_group_int8 / _int4. Call only when mlafx::use_avx2().
 void quantize_groups8(int bits, const float* w_t, int8_t* q, uint16_t* scale_bits);
+
+// quant_dot on a K format (k8 / k4 by bits), bit-identical to kquant_dot_portable. Call only
+// when mlafx::use_avx2().
+void kquant_dot_avx2(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
+                     int64_t supers, int64_t block_begin, int64_t block_end, float* out,
+                     int64_t ldo);
 
 }  // namespace mlafx::avx2

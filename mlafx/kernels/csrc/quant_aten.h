@@ -33,10 +33,17 @@ QuantizedActivations gather_rows(const QuantizedActivations& src,
 
 // out[m * ldo + n] = the product of rows x (M of them) with the packed weight [NB, G, S]
 // over its rows n in [0, N), fp32, in parallel over blocks (>= ~64 KB of weight per thread).
-void quant_product_f32(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
+void quant_product_f32(int format, const QuantRows& x, int64_t M, const uint8_t* packed,
                        int64_t blocks, int64_t groups, int64_t N, float* out, int64_t ldo);
 
-// The format of a packed weight from its last dim (544 -> 8, 288 -> 4), else 0.
-int quant_bits_of(int64_t group_bytes);
+// The format of a packed weight from its last dim (quant.h: 544 -> kFormatInt8, 288 ->
+// kFormatInt4, 4544 -> kFormatK8, 2496 -> kFormatK4), else 0.
+int quant_format_of(int64_t group_bytes);
+
+// Groups (super-blocks for the K formats) a row of `width` columns takes in `format`.
+inline int64_t quant_groups_of(int format, int64_t width) {
+  const int64_t columns = quant_group_columns(format);
+  return (width + columns - 1) / columns;
+}
 
 }  // namespace mlafx

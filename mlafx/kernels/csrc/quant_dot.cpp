@@ -87,28 +87,10 @@ inline float half_bits_to_float(const uint8_t* bytes) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// Block-group weights as signed int16 rows [16][32] and fp32 scales [16].
+// Block-group weights as signed int16 rows [16][32] (z removed) and fp32 scales [16].
 template <int kBits>
 void unpack_group(const uint8_t* group, int16_t (*w)[kGroup], float* scales) {
-  if constexpr (kBits == 8) {
-    for (int s = 0; s < 8; ++s) {
-      for (int i = 0; i < kRows; ++i) {
-        for (int j = 0; j < 4; ++j) {
-          w[i][4 * s + j] = static_cast<int16_t>(group[64 * s + 4 * i + j] - 128);
-        }
-      }
-    }
-  } else {
-    for (int s = 0; s < 4; ++s) {
-      for (int i = 0; i < kRows; ++i) {
-        for (int j = 0; j < 4; ++j) {
-          const int byte = group[64 * s + 4 * i + j];
-          w[i][4 * s + j] = static_cast<int16_t>((byte & 0xF) - 8);
-          w[i][16 + 4 * s + j] = static_cast<int16_t>((byte >> 4) - 8);
-        }
-      }
-    }
-  }
+  unpack_quants<kBits>(group, kBits == 8 ? 128 : 8, w);
   for (int i = 0; i < kRows; ++i) {
     scales[i] = half_bits_to_float(group + quant_bytes(kBits) + 2 * i);
   }
@@ -196,9 +178,9 @@ QuantizedActivations gather_rows(const QuantizedActivations& src,
   return out;
 }
 
-void quant_product_f32(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
+void quant_product_f32(int format, const QuantRows& x, int64_t M, const uint8_t* packed,
                        int64_t blocks, int64_t groups, int64_t N, float* out, int64_t ldo) {
-  const int64_t block_bytes = std::max<int64_t>(groups, 1) * quant_group_bytes(bits);
+  const int64_t block_bytes = std::max<int64_t>(groups, 1) * quant_group_bytes(format);
   const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / block_bytes);
   // Steps of blocks whose fp32 scratch ([M, 16 * step]) stays within ~256 KB.
   const int64_t step = std::clamp<int64_t>((int64_t{64} << 10) / (std::max<int64_t>(M, 1) * kRows),
@@ -208,7 +190,7 @@ void quant_product_f32(int bits, const QuantRows& x, int64_t M, const uint8_t* p
     std::vector<float> scratch(static_cast<size_t>(M * ld));
     for (int64_t s0 = b0; s0 < b1; s0 += step) {
       const int64_t s1 = std::min(b1, s0 + step);
-      quant_dot(bits, x, M, packed, groups, s0, s1, scratch.data(), ld);
+      quant_dot(format, x, M, packed, groups, s0, s1, scratch.data(), ld);
       const int64_t n0 = s0 * kRows;
       const int64_t n1 = std::min(N, s1 * kRows);
       for (int64_t m = 0; m < M; ++m) {
@@ -218,16 +200,25 @@ void quant_product_f32(int bits, const QuantRows& x, int64_t M, const uint8_t* p
   });
 }
 
-int quant_bits_of(int64_t group_bytes) {
-  if (group_bytes == quant_group_bytes(8)) {
-    return 8;
+int quant_format_of(int64_t group_bytes) {
+  for (const int format : {kFormatInt8, kFormatInt4, kFormatK8, kFormatK4}) {
+    if (group_bytes == quant_group_bytes(format)) {
+      return format;
+    }
   }
-  return group_bytes == quant_group_bytes(4) ? 4 : 0;
+  return 0;
 }
 
-void quant_dot(int bits, const QuantRows& x, int64_t M, const uint8_t* packed, int64_t groups,
+void quant_dot(int format, const QuantRows& x, int64_t M, const uint8_t* packed, int64_t groups,
                int64_t block_begin, int64_t block_end, float* out, int64_t ldo) {
-  if (use_avx512_vnni()) {
+  const int bits = format_bits(format);
+  if (is_kquant(format)) {
+    if (use_avx2()) {
+      avx2::kquant_dot_avx2(bits, x, M, packed, groups, block_begin, block_end, out, ldo);
+    } else {
+      kquant_dot_portable(bits, x, M, packed, groups, block_begin, block_end, out, ldo);
+    }
+  } else if (use_avx512_vnni()) {
     avx512::quant_dot_vnni(bits, x, M, packed, groups, block_begin, block_end, out, ldo);
   } else if (use_avx2()) {
     avx2::quant_dot_avx2(bits, x, M, packed, groups, block_begin, block_end, out, ldo);

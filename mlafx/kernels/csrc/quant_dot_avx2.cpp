@@ -19,8 +19,8 @@
 // multiply and the add into an FMA, so results are bit-identical to the portable path
 // (tests/test_kernel_quant.py checks in child processes).
 //
-// Tiles: MR rows of x x MB blocks, two 8-lane halves per block. Blocks are walked in chunks
-// of ~256 KB of weights and every row tile of x runs over a chunk before the next, so the
+// Tiles: MR rows of x x MB blocks, two 8-lane halves per block, walked as quant_tiles.h says:
+// chunks of ~256 KB of weights, every row tile of x over a chunk before the next, so the
 // weights come from memory once and are re-read from L2 per MR rows of x.
 #include <immintrin.h>
 
@@ -28,6 +28,7 @@
 #include <cstring>
 
 #include "quant.h"
+#include "quant_tiles.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "quant_dot_avx2.cpp must be compiled with the AVX2 flags from setup.py"
@@ -35,8 +36,6 @@
 
 namespace mlafx::avx2 {
 namespace {
-
-constexpr int64_t kChunkBytes = int64_t{256} << 10;
 
 inline __m256i broadcast4(const int8_t* p) {
   int32_t v;
@@ -158,44 +157,14 @@ void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups,
   }
 }
 
-// Blocks [b0, b1) for rows m0..m0+MR-1: MB at a time, the rest one by one.
-template <int kBits, int MB, int MR>
-void row_tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups,
-              int64_t b0, int64_t b1, int64_t out_block0, float* out, int64_t ldo) {
-  int64_t b = b0;
-  for (; b + MB <= b1; b += MB) {
-    tile<kBits, MB, MR>(x, m0, packed, groups, b, out_block0, out, ldo);
-  }
-  for (; b < b1; ++b) {
-    tile<kBits, 1, MR>(x, m0, packed, groups, b, out_block0, out, ldo);
-  }
-}
-
 template <int kBits>
 void quant_dot_bits(const QuantRows& x, int64_t M, const uint8_t* packed, int64_t groups,
                     int64_t block_begin, int64_t block_end, float* out, int64_t ldo) {
   const int64_t block_bytes = std::max<int64_t>(groups, 1) * quant_group_bytes(kBits);
-  const int64_t chunk = std::max<int64_t>(4, kChunkBytes / block_bytes / 4 * 4);
-  for (int64_t c0 = block_begin; c0 < block_end; c0 += chunk) {
-    const int64_t c1 = std::min(block_end, c0 + chunk);
-    int64_t m0 = 0;
-    for (; m0 + 4 <= M; m0 += 4) {
-      row_tile<kBits, 1, 4>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
-    }
-    switch (M - m0) {
-      case 3:
-        row_tile<kBits, 1, 3>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
-        break;
-      case 2:
-        row_tile<kBits, 2, 2>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
-        break;
-      case 1:
-        row_tile<kBits, 4, 1>(x, m0, packed, groups, c0, c1, block_begin, out, ldo);
-        break;
-      default:
-        break;
-    }
-  }
+  const auto tile_at = [&]<int MB, int MR>(int64_t m0, int64_t b, int64_t out_block0) {
+    tile<kBits, MB, MR>(x, m0, packed, groups, b, out_block0, out, ldo);
+  };
+  quant_walk_tiles<4>(tile_at, M, block_begin, block_end, block_bytes);
 }
 
 }  // namespace

@@ -1,10 +1,11 @@
 // linear_quantized: y = x @ W^T (+ bias) for W in the int8/int4 packed format of
 // mlafx/kernels/quant_format.py (made by quantize_linear_weight), W8A8:
 //
-//   linear_quantized(x [M, K], packed_weight [ceil(N/16), ceil(K/32), S] uint8,
+//   linear_quantized(x [M, K], packed_weight [ceil(N/16), G, S] uint8,
 //                    out_features = N, bias? [N]) -> out [M, N]   (x's dtype, contiguous)
-//       x bf16/fp16/fp32, last dim contiguous (rows may be strided); bits from S (544: int8,
-//       288: int4). x is quantized per row and group of 32 to int8 (once per call), each
+//       x bf16/fp16/fp32, last dim contiguous (rows may be strided); the format from S (544:
+//       int8, 288: int4, G = ceil(K/32); 4544: k8, 2496: k4, G = K/256, GGUF's K-quants,
+//       mlafx/kernels/kquant_format.py). x is quantized per row and group of 32 to int8 (once per call), each
 //       group's exact integer dots scaled by d_x * d_w and summed in fp32 in group order,
 //       rounded once to x's dtype; the bias is added after that rounding (as linear_packed).
 //
@@ -40,7 +41,7 @@ constexpr int64_t kMaxBlocksPerStep = 16;
 
 // Rows [m0, m1) x blocks [b0, b1) of the product into out [M, N], one thread.
 template <typename scalar_t>
-void run_range(const QuantizedActivations& xq, int bits, const uint8_t* packed, int64_t groups,
+void run_range(const QuantizedActivations& xq, int format, const uint8_t* packed, int64_t groups,
                int64_t N, int64_t m0, int64_t m1, int64_t b0, int64_t b1, scalar_t* out) {
   const int64_t rows = m1 - m0;
   const int64_t step = std::clamp<int64_t>(kScratchFloats / (rows * kQuantBlockRows), 1,
@@ -50,7 +51,7 @@ void run_range(const QuantizedActivations& xq, int bits, const uint8_t* packed, 
   const QuantRows x = xq.view(m0);
   for (int64_t s0 = b0; s0 < b1; s0 += step) {
     const int64_t s1 = std::min(b1, s0 + step);
-    quant_dot(bits, x, rows, packed, groups, s0, s1, scratch.data(), ld);
+    quant_dot(format, x, rows, packed, groups, s0, s1, scratch.data(), ld);
     const int64_t n0 = s0 * kQuantBlockRows;
     const int64_t n1 = std::min(N, s1 * kQuantBlockRows);
     for (int64_t r = 0; r < rows; ++r) {
@@ -63,24 +64,30 @@ void run_range(const QuantizedActivations& xq, int bits, const uint8_t* packed, 
   }
 }
 
-void check_packed(const at::Tensor& packed, int64_t out_features, int64_t in_features) {
+// The packed weight's format (quant.h), after checking it holds [out_features, in_features].
+int check_packed(const at::Tensor& packed, int64_t out_features, int64_t in_features) {
   TORCH_CHECK(packed.device().is_cpu(), "linear_quantized: packed_weight must be on the CPU, got ",
               packed.device());
   TORCH_CHECK_TYPE(packed.scalar_type() == at::kByte,
-                   "linear_quantized: packed_weight must be uint8 (from quantize_linear_weight), "
-                   "got ",
+                   "linear_quantized: packed_weight must be uint8 (from quantize_linear_weight "
+                   "or a GGUF repack), got ",
                    packed.scalar_type());
-  TORCH_CHECK_VALUE(packed.dim() == 3 && quant_bits_of(packed.size(2)) != 0,
-                    "linear_quantized: packed_weight must come from quantize_linear_weight "
-                    "([ceil(N/16), ceil(K/32), 544 or 288]), got shape ",
+  const int format = packed.dim() == 3 ? quant_format_of(packed.size(2)) : 0;
+  TORCH_CHECK_VALUE(format != 0,
+                    "linear_quantized: packed_weight must be an int8/int4 weight ([ceil(N/16), "
+                    "ceil(K/32), 544 or 288]) or a k8/k4 one ([ceil(N/16), K/256, 4544 or "
+                    "2496]), got shape ",
                     packed.sizes());
   TORCH_CHECK_VALUE(packed.is_contiguous(), "linear_quantized: packed_weight must be contiguous");
   TORCH_CHECK_VALUE(out_features >= 0 && (out_features + 15) / 16 == packed.size(0),
                     "linear_quantized: out_features = ", out_features,
                     " does not match packed_weight's ", packed.size(0), " blocks of 16 rows");
-  TORCH_CHECK_VALUE((in_features + 31) / 32 == packed.size(1), "linear_quantized: x has ",
-                    in_features, " features but packed_weight has ", packed.size(1),
-                    " groups of 32 columns");
+  const int64_t columns = quant_group_columns(format);
+  TORCH_CHECK_VALUE(quant_groups_of(format, in_features) == packed.size(1) &&
+                        (!is_kquant(format) || in_features % columns == 0),
+                    "linear_quantized: x has ", in_features, " features but packed_weight has ",
+                    packed.size(1), " groups of ", columns, " columns");
+  return format;
 }
 
 at::Tensor linear_quantized(const at::Tensor& x,       // [M, K]
@@ -96,7 +103,7 @@ at::Tensor linear_quantized(const at::Tensor& x,       // [M, K]
   const int64_t M = x.size(0);
   const int64_t K = x.size(1);
   const int64_t N = out_features;
-  check_packed(packed, N, K);
+  const int format = check_packed(packed, N, K);
   TORCH_CHECK_VALUE(K <= 1 || x.stride(1) == 1,
                     "linear_quantized: x's last dim must be contiguous, got strides ",
                     x.strides());
@@ -112,23 +119,22 @@ at::Tensor linear_quantized(const at::Tensor& x,       // [M, K]
   if (M == 0 || N == 0) {
     return out;
   }
-  const int bits = quant_bits_of(packed.size(2));
   const int64_t blocks = packed.size(0);
   const int64_t groups = packed.size(1);
   const QuantizedActivations xq = quantize_activations(x);
   const uint8_t* w = packed.const_data_ptr<uint8_t>();
-  const int64_t block_bytes = std::max<int64_t>(groups, 1) * quant_group_bytes(bits);
+  const int64_t block_bytes = std::max<int64_t>(groups, 1) * quant_group_bytes(format);
   const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / block_bytes);
   const bool split_rows = M >= 64 && blocks < 2 * at::get_num_threads();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_quantized", [&] {
     scalar_t* out_data = out.data_ptr<scalar_t>();
     if (split_rows) {
       mlafx::parallel_chunks(0, M, 16, [&](int64_t m0, int64_t m1) {
-        run_range(xq, bits, w, groups, N, m0, m1, 0, blocks, out_data);
+        run_range(xq, format, w, groups, N, m0, m1, 0, blocks, out_data);
       });
     } else {
       mlafx::parallel_chunks(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-        run_range(xq, bits, w, groups, N, 0, M, b0, b1, out_data);
+        run_range(xq, format, w, groups, N, 0, M, b0, b1, out_data);
       });
     }
   });

@@ -3,8 +3,9 @@
 //   x:            [T, D]      bf16/fp16/fp32, last dim contiguous (rows may be strided)
 //   topk_ids:     [T, k]      int64 in [0, E); ids may repeat within a token
 //   topk_weights: [T, k]      float32
-//   w13:          [E, ceil(2I/16), ceil(D/32), S] uint8: gate rows [0, I), then up rows
-//   w2:           [E, ceil(D/16), ceil(I/32), S]  uint8, the same format (S: 544 or 288)
+//   w13:          [E, ceil(2I/16), G(D), S] uint8: gate rows [0, I), then up rows
+//   w2:           [E, ceil(D/16), G(I), S'] uint8; each in any format of quant.h (S 544 or
+//                 288: int8 / int4, G(K) = ceil(K/32); 4544 or 2496: k8 / k4, G(K) = K/256)
 //   out:          [T, D]      x's dtype, contiguous:
 //     [g | u] = x[t] @ W13[e]^T rounded to x's dtype, h = silu(g) * u in x's dtype (silu in
 //     fp32 of the rounded g, rounded, times u), y = h @ W2[e]^T rounded to x's dtype; every
@@ -58,7 +59,8 @@ scalar_t silu_times_up(float gate, float up) {
 }
 
 struct Problem {
-  int bits;
+  int w13_format;  // quant.h; the two stacks may differ (a GGUF's Q4_K gate/up, Q6_K down)
+  int w2_format;
   int64_t num_pairs_per_token;  // k
   int64_t hidden;               // D
   int64_t inter;                // I
@@ -70,7 +72,6 @@ struct Problem {
   float* sum;            // fp32 [T, D]
 };
 
-int64_t groups_of(int64_t width) { return (width + kQuantGroup - 1) / kQuantGroup; }
 int64_t blocks_of(int64_t rows) { return (rows + kRows - 1) / kRows; }
 
 // sum[t(p)] += weight(p) * round(y[j]) over columns [d0, d1) for the group's pairs.
@@ -104,7 +105,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const QuantizedAct
   at::Tensor h = at::empty({P, I}, x.options());            // [P, I]
   scalar_t* h_data = h.data_ptr<scalar_t>();
   const int64_t num_groups = static_cast<int64_t>(routing.streaming.size());
-  const int64_t gd = groups_of(D), gi = groups_of(I);
+  const int64_t gd = quant_groups_of(pb.w13_format, D), gi = quant_groups_of(pb.w2_format, I);
 
   // Pass 1: threads split the 16-row blocks of gate rows i (and the up rows I + i with them).
   mlafx::parallel_chunks(0, blocks_of(I), 1, [&](int64_t ib0, int64_t ib1) {
@@ -117,8 +118,8 @@ void run_streaming(const Problem& pb, const Routing& routing, const QuantizedAct
       const ExpertGroup& group = routing.streaming[g];
       const QuantRows rows = xs.view(row_of_group[g]);
       const uint8_t* w = pb.w13 + group.expert * pb.w13_expert;
-      quant_dot(pb.bits, rows, group.size(), w, gd, ib0, ib1, gate.data(), ld_g);
-      quant_dot(pb.bits, rows, group.size(), w, gd, ub0, ub1, up.data(), ld_u);
+      quant_dot(pb.w13_format, rows, group.size(), w, gd, ib0, ib1, gate.data(), ld_g);
+      quant_dot(pb.w13_format, rows, group.size(), w, gd, ub0, ub1, up.data(), ld_u);
       for (int64_t j = 0; j < group.size(); ++j) {
         scalar_t* dst = h_data + (row_of_group[g] + j) * I;
         for (int64_t i = i0; i < i1; ++i) {
@@ -138,7 +139,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const QuantizedAct
     std::vector<float> y(static_cast<size_t>(kMaxStreamingPairs * ld));
     for (int64_t g = 0; g < num_groups; ++g) {
       const ExpertGroup& group = routing.streaming[g];
-      quant_dot(pb.bits, hq.view(row_of_group[g]), group.size(),
+      quant_dot(pb.w2_format, hq.view(row_of_group[g]), group.size(),
                 pb.w2 + group.expert * pb.w2_expert, gi, db0, db1, y.data(), ld);
       add_weighted_rows<scalar_t>(pb, routing, group, y.data(), ld, d0, d1);
     }
@@ -155,8 +156,9 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
   }
   const QuantizedActivations xe = gather_rows(xq, tokens);
   std::vector<float> gate_up(static_cast<size_t>(c * 2 * I));  // [c, 2I] fp32
-  quant_product_f32(pb.bits, xe.view(), c, pb.w13 + group.expert * pb.w13_expert,
-                    blocks_of(2 * I), groups_of(D), 2 * I, gate_up.data(), 2 * I);
+  quant_product_f32(pb.w13_format, xe.view(), c, pb.w13 + group.expert * pb.w13_expert,
+                    blocks_of(2 * I), quant_groups_of(pb.w13_format, D), 2 * I, gate_up.data(),
+                    2 * I);
   at::Tensor h = at::empty({c, I}, x.options());  // [c, I]
   scalar_t* h_data = h.data_ptr<scalar_t>();
   mlafx::parallel_chunks(0, c, 16, [&](int64_t j0, int64_t j1) {
@@ -169,8 +171,8 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
   });
   const QuantizedActivations hq = quantize_activations(h);
   std::vector<float> y(static_cast<size_t>(c * D));  // [c, D] fp32
-  quant_product_f32(pb.bits, hq.view(), c, pb.w2 + group.expert * pb.w2_expert, blocks_of(D),
-                    groups_of(I), D, y.data(), D);
+  quant_product_f32(pb.w2_format, hq.view(), c, pb.w2 + group.expert * pb.w2_expert,
+                    blocks_of(D), quant_groups_of(pb.w2_format, I), D, y.data(), D);
   mlafx::parallel_chunks(0, D, 256, [&](int64_t d0, int64_t d1) {
     add_weighted_rows<scalar_t>(pb, routing, group, y.data() + d0, D, d0, d1);
   });
@@ -178,16 +180,25 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
 
 // ---- at::Tensor entry -------------------------------------------------------------------
 
-void check_experts(const char* name, const at::Tensor& w, int64_t E, int64_t rows,
-                   int64_t width, int64_t S) {
+// The stack's format (quant.h), after checking it holds E experts' [rows, width] weights.
+int check_experts(const char* name, const at::Tensor& w, int64_t E, int64_t rows,
+                  int64_t width) {
   TORCH_CHECK_TYPE(w.scalar_type() == at::kByte, "moe_experts_quantized: ", name,
-                   " must be uint8 (packed by quantize_linear_weight), got ", w.scalar_type());
-  TORCH_CHECK_VALUE(w.dim() == 4 && w.size(0) == E && w.size(1) == blocks_of(rows) &&
-                        w.size(2) == groups_of(width) && w.size(3) == S,
+                   " must be uint8 (packed by quantize_linear_weight or a GGUF repack), got ",
+                   w.scalar_type());
+  const int format = w.dim() == 4 ? quant_format_of(w.size(3)) : 0;
+  TORCH_CHECK_VALUE(format != 0, "moe_experts_quantized: ", name,
+                    " must be packed experts [E, blocks, groups, S] with S 544 or 288 (int8, "
+                    "int4) or 4544 or 2496 (k8, k4), got shape ",
+                    w.sizes());
+  const int64_t groups = quant_groups_of(format, width);
+  TORCH_CHECK_VALUE(w.size(0) == E && w.size(1) == blocks_of(rows) && w.size(2) == groups &&
+                        (!is_kquant(format) || width % quant_group_columns(format) == 0),
                     "moe_experts_quantized: ", name, " must be [num_experts = ", E, ", ",
-                    blocks_of(rows), ", ", groups_of(width), ", ", S,
-                    "] (quantized [", rows, ", ", width, "] per expert), got shape ", w.sizes());
+                    blocks_of(rows), ", ", groups, ", ", w.size(3), "] (quantized [", rows,
+                    ", ", width, "] per expert), got shape ", w.sizes());
   TORCH_CHECK_VALUE(w.is_contiguous(), "moe_experts_quantized: ", name, " must be contiguous");
+  return format;
 }
 
 at::Tensor moe_experts_quantized(const at::Tensor& x,             // [T, D]
@@ -218,12 +229,11 @@ at::Tensor moe_experts_quantized(const at::Tensor& x,             // [T, D]
                     topk_ids.sizes(), ", got ", topk_weights.sizes());
   TORCH_CHECK_VALUE(intermediate_size >= 0, "moe_experts_quantized: intermediate_size must be "
                     ">= 0, got ", intermediate_size);
-  TORCH_CHECK_VALUE(w13.dim() == 4 && quant_bits_of(w13.size(3)) != 0,
-                    "moe_experts_quantized: w13 must be packed int8/int4 experts [E, blocks, "
-                    "groups, 544 or 288], got shape ", w13.sizes());
-  const int64_t D = x.size(1), I = intermediate_size, E = w13.size(0), S = w13.size(3);
-  check_experts("w13", w13, E, 2 * I, D, S);
-  check_experts("w2", w2, E, D, I, S);
+  TORCH_CHECK_VALUE(w13.dim() == 4, "moe_experts_quantized: w13 must be packed experts [E, "
+                    "blocks, groups, S], got shape ", w13.sizes());
+  const int64_t D = x.size(1), I = intermediate_size, E = w13.size(0);
+  const int w13_format = check_experts("w13", w13, E, 2 * I, D);
+  const int w2_format = check_experts("w2", w2, E, D, I);
   TORCH_CHECK_VALUE(D <= 1 || x.stride(1) == 1,
                     "moe_experts_quantized: x's last dim must be contiguous, got strides ",
                     x.strides());
@@ -241,7 +251,8 @@ at::Tensor moe_experts_quantized(const at::Tensor& x,             // [T, D]
   }
   const at::Tensor weights = topk_weights.contiguous();
   const Routing routing = group_by_expert(id_data, T * k, E, kMaxStreamingPairs);
-  const Problem pb{quant_bits_of(S),
+  const Problem pb{w13_format,
+                   w2_format,
                    k,
                    D,
                    I,

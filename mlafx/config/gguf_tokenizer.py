@@ -6,7 +6,9 @@ added whole, both at their own ids and in their own spelling. (``transformers``'
 is not used: it drops control tokens outside the byte alphabet, i.e. DeepSeek's
 ``<｜end▁of▁sentence｜>``, and knows no DeepSeek pre-tokenizer.) ``PRE_TOKENIZER_SPLITS`` holds
 the pre-tokenizers, copied from llama.cpp's ``llama-vocab.cpp`` (which defines how a GGUF file
-tokenizes): each regex splits the text in turn (``Isolated``), then bytes map to the
+tokenizes; for ``kimi-k2``, which llama.cpp hand-codes, the ``pat_str`` of Kimi's
+``tokenization_kimi.py`` it implements: Oniguruma, behind ``tokenizers``, has its class
+intersections): each regex splits the text in turn (``Isolated``), then bytes map to the
 byte-level alphabet.
 
 ``tokenizer.ggml.add_bos_token`` true puts the bos token before every encoded text (a
@@ -16,9 +18,10 @@ pre-tokenizers is false.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from mlafx.config.gguf_file import GgufFile
+from mlafx.config.gguf_file import GgufFile, open_gguf
 
 _DEEPSEEK_LLM_LETTERS = (
     "A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚ"
@@ -39,6 +42,14 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
         "[一-龥぀-ゟ゠-ヿ]+",
         "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+"
         "| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+    ),
+    "kimi-k2": (  # Kimi K2 / K2.5: tokenization_kimi.py's pat_str (llama.cpp hand-codes it)
+        "[\\p{Han}]+"
+        "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*"
+        "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]+"
+        "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+        "|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",
     ),
     "glm4": (  # GLM-4.7-Flash
         "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+"
@@ -117,3 +128,48 @@ def gguf_tokenizer(gguf: GgufFile) -> Any | None:
             single=f"{token} $A", pair=f"{token} $A {token} $B", special_tokens=[(token, bos)]
         )
     return tokenizer
+
+
+# the chat template's special tokens and the metadata keys of their ids
+GGUF_SPECIAL_TOKEN_IDS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def gguf_chat_template(metadata: dict[str, Any]) -> tuple[str, dict[str, str]] | None:
+    """The file's ``tokenizer.chat_template`` and the special tokens it renders (bos_token ->
+    its text); None when it has no template."""
+    source = metadata.get("tokenizer.chat_template")
+    if not isinstance(source, str):
+        return None
+    vocabulary = metadata.get("tokenizer.ggml.tokens") or []
+    tokens = {}
+    for name, key in GGUF_SPECIAL_TOKEN_IDS.items():
+        token_id = metadata.get(key)
+        if isinstance(token_id, int) and 0 <= token_id < len(vocabulary):
+            tokens[name] = vocabulary[token_id]
+    return source, tokens
+
+
+def save_gguf_tokenizer(path: str | Path, directory: Path) -> bool:
+    """Write a GGUF file's tokenizer as a checkpoint directory holds it: ``tokenizer.json``,
+    and with a chat template ``chat_template.jinja`` plus the special tokens it renders in
+    ``tokenizer_config.json`` (what ``mlafx export`` ships beside the weights). False (nothing
+    written) when the file has no tokenizer."""
+    import json
+
+    gguf = open_gguf(path)
+    tokenizer = gguf_tokenizer(gguf)
+    if tokenizer is None:
+        return False
+    tokenizer.save(str(directory / "tokenizer.json"))
+    template = gguf_chat_template(gguf.metadata)
+    if template is not None:
+        source, tokens = template
+        (directory / "chat_template.jinja").write_text(source)
+        config = json.dumps(tokens, ensure_ascii=False, indent=1)
+        (directory / "tokenizer_config.json").write_text(config)
+    return True
