@@ -17,7 +17,7 @@ BUILD_INPUTS := pyproject.toml setup.py mlafx/kernels/source_hash.py \
 	mlafx/kernels/csrc $(wildcard mlafx/kernels/csrc/*)
 LINT_PATHS := mlafx tests bench
 
-.PHONY: venv install build system-deps run test lint clean distclean
+.PHONY: venv install build system-deps run test test-fast slow-tests lint clean distclean
 
 venv: $(STAMPS)/venv
 $(STAMPS)/venv:
@@ -49,8 +49,26 @@ $(STAMPS)/system-deps: Makefile
 	fi
 	mkdir -p $(STAMPS) && touch $@
 
+# Two pytest workers (pytest-xdist): a cold compile is mostly one process (inductor's Python,
+# one g++), so two of them keep both cores busy.
+TEST_WORKERS ?= 2
 test: install system-deps
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+
+# The suite minus the tests tests/slow_tests.txt lists (cold compiles, long sweeps).
+test-fast: install system-deps
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
+
+# Re-measure which tests are slow (~1 h here): a cold serial run of the suite, then of its fast
+# tier, and rewrite tests/slow_tests.txt from both (tests/record_slow_tests.py says why both).
+SLOW_RUN = rm -rf .cache/slow-tests/compiled .cache/slow-tests/inductor && \
+	MLAFX_CACHE_DIR=.cache/slow-tests/compiled TORCHINDUCTOR_CACHE_DIR=.cache/slow-tests/inductor \
+	$(PY) -m pytest -q -p no:cacheprovider
+slow-tests: install system-deps
+	mkdir -p .cache/slow-tests
+	$(SLOW_RUN) --junitxml=.cache/slow-tests/all.xml tests || true
+	$(SLOW_RUN) --junitxml=.cache/slow-tests/fast.xml -m "not slow" tests || true
+	$(PY) tests/record_slow_tests.py .cache/slow-tests/all.xml .cache/slow-tests/fast.xml
 
 # ruff, then mypy on the package (its settings: pyproject.toml [tool.mypy])
 lint: install
