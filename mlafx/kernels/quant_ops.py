@@ -134,8 +134,10 @@ def moe_experts_quantized(
 
 def quant_cpu_isa() -> str:
     """``"avx512_vnni"``, ``"avx2"`` or ``"portable"``: the kernel the quantized ops take in
-    this process (``MLAFX_DISABLE_AVX512=1`` forces the portable one, ``MLAFX_DISABLE_AVX2=1``
-    the AVX2 tier off alone). All three give bit-identical results."""
+    this process for the int8/int4 formats (``MLAFX_DISABLE_AVX512=1`` forces the portable one,
+    ``MLAFX_DISABLE_AVX2=1`` the AVX2 tier off alone). The k8/k4 formats (GGUF K-quants) take
+    the AVX2 kernel wherever AVX2 is on, AVX-512 hosts included, else the portable one. Every
+    path gives bit-identical results."""
     return torch.ops.mlafx.quant_cpu_isa()
 
 
