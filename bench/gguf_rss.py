@@ -17,7 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+# Run as a script, its own folder comes first on sys.path, where bench/kernels.py would shadow
+# the `kernels` package transformers probes for; the tests' folder has the GGUF writer.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent / "tests"))
 
 V2_LITE_1_LAYER = dict(
     vocab_size=102400,
