@@ -24,7 +24,9 @@ from mlafx.kernels.quant_format import (
     BITS,
     group_bytes,
     packed_shape,
-    repack_ggml,
+    repack_ggml_q4_0,
+    repack_ggml_q5_0,
+    repack_ggml_q8_0,
     stack_packed_rows,
 )
 
@@ -74,7 +76,11 @@ def repack_ggml_weight(
         raise ValueError(f"GGUF {type_name} does not repack into {fmt} without loss")
     if fmt in KQUANT_BITS:
         return repack_ggml_kquant(type_name, data, out_features, in_features, _bits(fmt))
-    return repack_ggml(type_name, data, out_features, in_features, _bits(fmt))
+    if type_name == "Q8_0":
+        return repack_ggml_q8_0(data, out_features, in_features)
+    if type_name == "Q5_0":
+        return repack_ggml_q5_0(data, out_features, in_features)
+    return repack_ggml_q4_0(data, out_features, in_features, _bits(fmt))
 
 
 def stack_rows(fmt: str, parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:

@@ -45,15 +45,15 @@ from __future__ import annotations
 
 import torch
 
-from mlafx.kernels.quant_format import BLOCK_ROWS, GROUP, QUANT_BYTES
+from mlafx.kernels.quant_format import BLOCK_ROWS, GROUP, QUANT_BYTES, lay_out_quants, read_quants
 
 SUPER = 256  # columns per super-block
 SUB_GROUPS = SUPER // GROUP  # groups of 32 per super-block
 TRAILER_BYTES = 3 * BLOCK_ROWS  # a_0, a_1, m per region
 HEADER_BYTES = 4 * BLOCK_ROWS  # d, dmin per super-block
 KQUANT_BITS = {"k4": 4, "k8": 8}
-# GGUF K-quant types -> the format that holds them (and the bytes of one 256-column block)
-GGML_KQUANTS = {"Q4_K": "k4", "Q5_K": "k8", "Q6_K": "k8"}
+# GGUF K-quant types -> the bytes of one 256-column block (which format takes which type:
+# kernels/ggml_repack.py)
 GGML_KQUANT_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
@@ -101,16 +101,7 @@ def pack_kquant(parts: KParts, bits: int) -> torch.Tensor:
     blocks = padded // BLOCK_ROWS
     # [NB, G, 8(t), 16(i), 32(k)]
     v = v.view(blocks, BLOCK_ROWS, groups, SUB_GROUPS, GROUP).permute(0, 2, 3, 1, 4)
-    if bits == 8:
-        lanes = (v.to(torch.int32) + 128).to(torch.uint8)
-        quants = lanes.reshape(blocks, groups, SUB_GROUPS, BLOCK_ROWS, 8, 4)
-        quants = quants.permute(0, 1, 2, 4, 3, 5)
-    else:
-        u = v.to(torch.uint8)
-        nibbles = u[..., :16] | (u[..., 16:] << 4)  # [NB, G, 8, 16(i), 16]
-        quants = nibbles.reshape(blocks, groups, SUB_GROUPS, BLOCK_ROWS, 4, 4)
-        quants = quants.permute(0, 1, 2, 4, 3, 5)
-    quants = quants.reshape(blocks, groups, SUB_GROUPS, QUANT_BYTES[bits])
+    quants = lay_out_quants(v.to(torch.int32) + 128 if bits == 8 else v, bits)
 
     def per_row(t: torch.Tensor) -> torch.Tensor:  # [padded, G, 8] -> uint8 [NB, G, 8, 16]
         t = t.view(blocks, BLOCK_ROWS, groups, SUB_GROUPS).permute(0, 2, 3, 1)
@@ -136,16 +127,9 @@ def unpack_kquant(packed: torch.Tensor) -> KParts:
     rows = blocks * BLOCK_ROWS
     body = packed[..., : SUB_GROUPS * region_bytes(bits)]
     regions = body.reshape(blocks, groups, SUB_GROUPS, region_bytes(bits))
-    quants = regions[..., : QUANT_BYTES[bits]]
-    if bits == 8:
-        lanes = quants.reshape(blocks, groups, SUB_GROUPS, 8, BLOCK_ROWS, 4)
-        lanes = lanes.permute(0, 4, 1, 2, 3, 5).reshape(rows, groups, SUB_GROUPS, GROUP)
-        v = lanes.to(torch.int16) - 128
-    else:
-        lanes = quants.reshape(blocks, groups, SUB_GROUPS, 4, BLOCK_ROWS, 4)
-        lanes = lanes.permute(0, 4, 1, 2, 3, 5).reshape(rows, groups, SUB_GROUPS, 16)
-        lanes = lanes.to(torch.int16)
-        v = torch.cat([lanes & 0xF, lanes >> 4], dim=-1)
+    stored = read_quants(regions[..., : QUANT_BYTES[bits]], bits)  # [NB, G, 8, 16, 32]
+    v = stored.permute(0, 3, 1, 2, 4).reshape(rows, groups, SUB_GROUPS, GROUP)
+    v = v - 128 if bits == 8 else v
     trailer = regions[..., QUANT_BYTES[bits] :].reshape(blocks, groups, SUB_GROUPS, 3, BLOCK_ROWS)
     trailer = trailer.permute(0, 4, 1, 2, 3).reshape(rows, groups, SUB_GROUPS, 3)
     a = trailer[..., :2].contiguous().view(torch.int8).to(torch.int16)
@@ -249,8 +233,7 @@ def kquant_parts_from_ggml(type_name: str, data: torch.Tensor, n: int, k: int) -
 def repack_ggml_kquant(
     type_name: str, data: torch.Tensor, out_features: int, in_features: int, bits: int
 ) -> torch.Tensor:
-    """A GGUF K-quant weight -> packed ``k{bits}`` [ceil(N/16), K/256, S], lossless (Q4_K
-    into k4 or k8; Q5_K and Q6_K into k8)."""
-    if bits == 4 and type_name != "Q4_K":
-        raise ValueError(f"GGUF {type_name} does not fit k4 without loss")
+    """A GGUF K-quant weight -> packed ``k{bits}`` [ceil(N/16), K/256, S], lossless for the
+    types ``ggml_repack.GGML_LOSSLESS_FORMATS`` gives that format (Q4_K into k4 or k8; Q5_K
+    and Q6_K into k8), which ``ggml_repack.repack_ggml_weight`` checks first."""
     return pack_kquant(kquant_parts_from_ggml(type_name, data, out_features, in_features), bits)

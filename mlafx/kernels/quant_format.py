@@ -115,22 +115,39 @@ def quantize_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torc
     return (best_q + 8).to(torch.int16), best_d.squeeze(-1).to(torch.float16)
 
 
+def lay_out_quants(stored: torch.Tensor, bits: int) -> torch.Tensor:
+    """Stored quants [..., 16 (rows i), 32 (columns k)] (int8: q + 128; int4: a nibble) ->
+    the group's quant bytes uint8 [..., QUANT_BYTES[bits]], laid out for ``VPDPBUSD`` as the
+    module docstring says (also the k8/k4 formats' regions: ``kquant_format``)."""
+    lead = stored.shape[:-2]
+    u = stored.to(torch.uint8)
+    if bits == 8:
+        lanes = u.reshape(*lead, BLOCK_ROWS, 8, 4)  # [..., i, s, j]
+    else:
+        nibbles = u[..., :16] | (u[..., 16:] << 4)  # columns k and k + 16
+        lanes = nibbles.reshape(*lead, BLOCK_ROWS, 4, 4)
+    return lanes.transpose(-3, -2).reshape(*lead, QUANT_BYTES[bits])  # [..., s, i, j]
+
+
+def read_quants(quants: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of ``lay_out_quants``: quant bytes [..., QUANT_BYTES[bits]] -> the stored
+    quants int16 [..., 16, 32]."""
+    lead = quants.shape[:-1]
+    steps = 8 if bits == 8 else 4
+    lanes = quants.reshape(*lead, steps, BLOCK_ROWS, 4).transpose(-3, -2)  # [..., i, s, j]
+    lanes = lanes.reshape(*lead, BLOCK_ROWS, 4 * steps).to(torch.int16)
+    return lanes if bits == 8 else torch.cat([lanes & 0xF, lanes >> 4], dim=-1)
+
+
 def pack_groups(q: torch.Tensor, d: torch.Tensor, bits: int) -> torch.Tensor:
     """q int [NB*16, G, 32] (int8: -128..127, int4: 0..15), d float16 [NB*16, G] -> packed
     uint8 [NB, G, S] in the layout of the module docstring."""
     rows, groups, _ = q.shape
     blocks = rows // BLOCK_ROWS
     q = q.view(blocks, BLOCK_ROWS, groups, GROUP).permute(0, 2, 1, 3)  # [NB, G, 16, 32]
-    if bits == 8:
-        lanes = (q.to(torch.int32) + 128).to(torch.uint8)  # [NB, G, 16(i), 32(k)]
-        quants = lanes.reshape(blocks, groups, BLOCK_ROWS, 8, 4).permute(0, 1, 3, 2, 4)
-    else:
-        q = q.to(torch.uint8)
-        nibbles = q[..., :16] | (q[..., 16:] << 4)  # [NB, G, 16(i), 16]: k and k+16
-        quants = nibbles.reshape(blocks, groups, BLOCK_ROWS, 4, 4).permute(0, 1, 3, 2, 4)
+    quants = lay_out_quants(q.to(torch.int32) + 128 if bits == 8 else q, bits)
     scales = d.view(blocks, BLOCK_ROWS, groups).permute(0, 2, 1).contiguous()  # [NB, G, 16]
     scale_bytes = scales.view(torch.uint8)  # [NB, G, 32], little-endian float16
-    quants = quants.reshape(blocks, groups, QUANT_BYTES[bits])
     return torch.cat([quants, scale_bytes], dim=-1).contiguous()
 
 
@@ -147,15 +164,9 @@ def unpack_groups(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d float16 [NB*16, G])."""
     bits = bits_of(packed)
     blocks, groups, _ = packed.shape
-    quants = packed[..., : QUANT_BYTES[bits]]
     scales = packed[..., QUANT_BYTES[bits] :].contiguous().view(torch.float16)  # [NB, G, 16]
-    if bits == 8:
-        lanes = quants.reshape(blocks, groups, 8, BLOCK_ROWS, 4).permute(0, 3, 1, 2, 4)
-        q = lanes.reshape(blocks, BLOCK_ROWS, groups, GROUP).to(torch.int16) - 128
-    else:
-        lanes = quants.reshape(blocks, groups, 4, BLOCK_ROWS, 4).permute(0, 3, 1, 2, 4)
-        lanes = lanes.reshape(blocks, BLOCK_ROWS, groups, 16).to(torch.int16)
-        q = torch.cat([lanes & 0xF, lanes >> 4], dim=-1) - 8
+    stored = read_quants(packed[..., : QUANT_BYTES[bits]], bits)  # [NB, G, 16, 32]
+    q = stored.permute(0, 2, 1, 3) - (128 if bits == 8 else 8)  # [NB, 16, G, 32]
     d = scales.permute(0, 2, 1).reshape(blocks * BLOCK_ROWS, groups)
     return q.reshape(blocks * BLOCK_ROWS, groups, GROUP), d
 
@@ -260,23 +271,6 @@ def stack_packed_rows(parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
         ds.append(d[:rows])
     q = torch.cat(qs)
     return _pack_padded(q + (8 if bits == 4 else 0), torch.cat(ds), bits, 8 if bits == 4 else 0)
-
-
-# GGUF block types that repack into mlafx's layouts without loss -> the bits they can take
-GGML_LOSSLESS_BITS = {"Q8_0": (8,), "Q4_0": (4, 8), "Q5_0": (8,)}
-
-
-def repack_ggml(
-    type_name: str, blocks: torch.Tensor, out_features: int, in_features: int, bits: int
-) -> torch.Tensor:
-    """A GGUF Q8_0 / Q4_0 / Q5_0 weight [N, K] (its raw uint8 rows) -> packed int``bits``."""
-    if bits not in GGML_LOSSLESS_BITS.get(type_name, ()):
-        raise ValueError(f"GGUF {type_name} does not repack into int{bits} without loss")
-    if type_name == "Q8_0":
-        return repack_ggml_q8_0(blocks, out_features, in_features)
-    if type_name == "Q5_0":
-        return repack_ggml_q5_0(blocks, out_features, in_features)
-    return repack_ggml_q4_0(blocks, out_features, in_features, bits)
 
 
 # ---- compressed-tensors pack-quantized int4 -----------------------------------------------

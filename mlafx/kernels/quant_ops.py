@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 
 from mlafx.kernels.extension import load_extension
-from mlafx.kernels.kquant_format import KQUANT_GROUP_BYTES, SUPER
+from mlafx.kernels.kquant_format import KQUANT_GROUP_BYTES, SUPER, kquant_shape
 from mlafx.kernels.quant_format import (
-    BLOCK_ROWS,
     GROUP,
     QUANT_BYTES,
     bits_of,
@@ -47,7 +46,7 @@ def _check_packed(packed: torch.Tensor, rows: int, width: int, lead: tuple[int, 
     torch._check(last in _GROUP_BYTES or kquant, lambda: f"packed last dim {last}")
     if kquant:
         torch._check(width % SUPER == 0, lambda: f"a k8/k4 weight needs K % {SUPER} == 0")
-        blocks, groups = -(-rows // BLOCK_ROWS), width // SUPER
+        blocks, groups, _ = kquant_shape(rows, width, 8)
     else:
         blocks, groups, _ = packed_shape(rows, width, 8)
     torch._check(
