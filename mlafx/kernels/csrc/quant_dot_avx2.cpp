@@ -25,9 +25,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "quant.h"
+#include "quant_avx2.h"
 #include "quant_tiles.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
@@ -36,16 +36,6 @@
 
 namespace mlafx::avx2 {
 namespace {
-
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);  // unaligned-safe
-  return _mm256_set1_epi32(v);
-}
-
-inline __m256i load32(const uint8_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
 
 // out rows m0..m0+MR-1, blocks b..b+MB-1 (out column 16 * (b - out_block0)).
 template <int kBits, int MB, int MR>
@@ -148,13 +138,7 @@ void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups,
       }
     }
   }
-  for (int bb = 0; bb < MB; ++bb) {
-    for (int r = 0; r < MR; ++r) {
-      float* o = out + (m0 + r) * ldo + (b + bb - out_block0) * kQuantBlockRows;
-      _mm256_storeu_ps(o, facc[bb][r][0]);
-      _mm256_storeu_ps(o + 8, facc[bb][r][1]);
-    }
-  }
+  store_tile<MB, MR>(facc, m0, b, out_block0, out, ldo);
 }
 
 template <int kBits>

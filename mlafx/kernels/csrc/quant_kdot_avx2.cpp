@@ -18,9 +18,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "quant.h"
+#include "quant_avx2.h"
 #include "quant_tiles.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
@@ -29,16 +29,6 @@
 
 namespace mlafx::avx2 {
 namespace {
-
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-inline __m256i load32(const uint8_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-}
 
 inline __m128i load8(const uint8_t* p) {
   return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
@@ -187,13 +177,7 @@ void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t supers,
       }
     }
   }
-  for (int bb = 0; bb < MB; ++bb) {
-    for (int r = 0; r < MR; ++r) {
-      float* o = out + (m0 + r) * ldo + (b + bb - out_block0) * kQuantBlockRows;
-      _mm256_storeu_ps(o, facc[bb][r][0]);
-      _mm256_storeu_ps(o + 8, facc[bb][r][1]);
-    }
-  }
+  store_tile<MB, MR>(facc, m0, b, out_block0, out, ldo);
 }
 
 template <int kBits>
