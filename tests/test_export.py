@@ -359,3 +359,16 @@ def test_export_package_is_callable_and_keeps_its_submodules():
     import mlafx.compile.compiled_step as compiled_step
 
     assert callable(mlafx.export) and compiled_step.__name__ == "mlafx.compile.compiled_step"
+
+
+def test_a_checkpoints_tokenizer_and_chat_template_ship_with_its_artifact(tmp_path):
+    from mlafx.runtime.chat_template import load_chat_template
+    from mlafx.runtime.tokenizer import load_tokenizer
+    from tests.tiny_models import write_tiny_chat_checkpoint
+
+    checkpoint = write_tiny_chat_checkpoint(tmp_path / "checkpoint")
+    mlafx.export(checkpoint, tmp_path / "artifact", "pt2", dtype="float32", progress=False)
+    texts = ["w1 w2 w3", "w4 <eos> w5"]
+    want, got = load_tokenizer(checkpoint), load_tokenizer(tmp_path / "artifact")
+    assert [got.encode(t).ids for t in texts] == [want.encode(t).ids for t in texts]
+    assert load_chat_template(tmp_path / "artifact") == load_chat_template(checkpoint)

@@ -109,16 +109,18 @@ def export(
             quantization=quantization,
         )  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
-        tokenizer = model_dir / TOKENIZER_FILE if model_dir is not None else None
-        if model_dir is not None and model_dir.suffix == ".gguf":  # from the metadata
-            tokenizer = Path(scratch) / TOKENIZER_FILE
-            save_gguf_tokenizer(model_dir, Path(scratch))
+        tokenizer = None
+        if model_dir is not None and model_dir.suffix == ".gguf":  # rebuilt from the metadata
+            if save_gguf_tokenizer(model_dir, Path(scratch)):
+                tokenizer = Path(scratch) / TOKENIZER_FILE
+        elif model_dir is not None and (model_dir / TOKENIZER_FILE).is_file():
+            tokenizer = model_dir / TOKENIZER_FILE
         return export_model(
             built,
             Path(output),
             format,
             block_size=block_size,
-            tokenizer=tokenizer if tokenizer is not None and tokenizer.is_file() else None,
+            tokenizer=tokenizer,
             compile_cache_dir=None if compile_cache_dir is None else Path(compile_cache_dir),
         )
 
