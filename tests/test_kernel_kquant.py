@@ -15,6 +15,8 @@ import pytest
 import torch
 from gguf.quants import dequantize
 from gguf_files import random_k_blocks
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kquant_cases import Q, kquant_moe_case, kquant_weight
 from test_kernel_quant import _assert_within_bound
 
@@ -67,6 +69,22 @@ def test_linear_matches_reference(qtype, dtype, M):
     _assert_within_bound(linear_quantized(x, packed, 40), x, packed, 40)
     bias = torch.randn(40, generator=gen).to(dtype)
     _assert_within_bound(linear_quantized(x, packed, 40, bias), x, packed, 40, bias)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    qtype=st.sampled_from([Q.Q4_K, Q.Q5_K, Q.Q6_K]),
+    M=st.sampled_from([1, 2, 3, 4, 5, 9, 33]),
+    supers=st.integers(1, 3),
+    N=st.sampled_from([1, 15, 16, 17, 40]),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_shapes_within_the_bound(qtype, M, supers, N, seed):
+    """Every row-tile remainder, one to three super-blocks, N around the 16-row blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = kquant_weight(qtype, N, 256 * supers, gen)
+    x = torch.randn(M, 256 * supers, generator=gen).to(torch.bfloat16)
+    _assert_within_bound(linear_quantized(x, packed, N), x, packed, N)
 
 
 @pytest.mark.parametrize("T", [3, 40])  # the streaming path and the per-expert GEMM path
