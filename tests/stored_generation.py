@@ -47,7 +47,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(20, 61)), list(range(20, 
 NEW_TOKENS = 12
 
 
-def generate(directory: Path, compiled: bool) -> list[mlafx.RequestOutput]:
+def generate(directory: Path, compiled: bool, **options: Any) -> list[mlafx.RequestOutput]:
+    """``PROMPTS`` served by the checkpoint in ``directory`` (``options``: more ``LLM``
+    options, e.g. ``tensor_parallel_size``)."""
     llm = mlafx.LLM(
         str(directory),
         dtype="float32",
@@ -56,11 +58,15 @@ def generate(directory: Path, compiled: bool) -> list[mlafx.RequestOutput]:
         max_num_batched_tokens=16,  # the 41- and 32-token prompts arrive in chunks
         progress=False,
         compile=compiled,
+        **options,
     )
     params = mlafx.SamplingParams(max_tokens=NEW_TOKENS, logprobs=2, ignore_eos=True)
-    # the last prompt shares 28 tokens (7 blocks) with the third: prefix-cache hits
-    first = llm.generate(PROMPTS[:3], params)
-    return first + llm.generate(PROMPTS[3:], params)
+    try:
+        # the last prompt shares 28 tokens (7 blocks) with the third: prefix-cache hits
+        first = llm.generate(PROMPTS[:3], params)
+        return first + llm.generate(PROMPTS[3:], params)
+    finally:
+        llm.close()
 
 
 def logprobs_of(output: mlafx.RequestOutput) -> list[float]:

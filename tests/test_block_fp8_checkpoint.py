@@ -67,9 +67,15 @@ def _fp8_config(block: list[int]) -> dict:
 
 
 def write_fp8_checkpoint(name: str, directory: Path) -> torch.nn.Module:
-    """A tiny checkpoint in DeepSeek's FP8 layout; returns transformers' model over its
-    dequantized weights (float32, saved beside it in ``directory / "dequantized"``)."""
+    """The checkpoint of ``MODELS[name]`` (``write_fp8_checkpoint_of``)."""
     overrides, block = MODELS[name]
+    return write_fp8_checkpoint_of(directory, overrides, block)
+
+
+def write_fp8_checkpoint_of(directory: Path, overrides: dict, block: list[int]) -> torch.nn.Module:
+    """A tiny checkpoint (``TINY_V3`` with ``overrides``) in DeepSeek's FP8 layout with
+    ``block``; returns transformers' model over its dequantized weights (float32, saved beside
+    it in ``directory / "dequantized"``)."""
 
     def quantize(tensors: dict, dequantized: dict) -> None:
         quantized = [k for k in tensors if k.endswith("_proj.weight")]  # not lm_head, the router

@@ -131,8 +131,6 @@ def test_compiled_quantized_engine_matches_its_reference_path(quantization):
 def test_refusals_are_clear():
     with pytest.raises(ValueError, match="quantization 'int3' is not supported"):
         tiny_llm(quantization="int3")
-    with pytest.raises(ValueError, match="not supported with tensor_parallel_size"):
-        tiny_llm(quantization="int8", tensor_parallel_size=2)
     import mlafx
 
     with pytest.raises(ValueError, match="ONNX export of a quantized model"):

@@ -31,6 +31,7 @@ from mlafx.config import ConfigError, ModelConfig
 from mlafx.config.memory import available_memory_bytes, kv_bytes_per_token, weight_bytes
 from mlafx.kernels import batch_invariant
 from mlafx.models.step import StepMetadata
+from mlafx.parallel.quantized_shards import format_blocks
 from mlafx.parallel.sharding import check_shardable
 from mlafx.parallel.wire import dumps, loads, step_to_wire, tensor_from_wire
 from mlafx.parallel.worker import WorkerSpec, remote_authkey, worker_main
@@ -299,18 +300,25 @@ class WorkerGroup:
 
 
 def check_local_ranks_fit(
-    config: ModelConfig, dtype: str, kv_tokens: int, world_size: int, local_ranks: int | None
+    config: ModelConfig,
+    dtype: str,
+    kv_tokens: int,
+    world_size: int,
+    local_ranks: int | None,
+    quantization: str | None = None,
+    stored: object = None,
 ) -> None:
     """Raise ``ConfigError`` if this machine's ranks cannot fit while they start: each builds
-    the full model and keeps a 1/N shard, and each (and the driver) holds a full cache."""
+    the full model (quantized as it loads, or as ``stored``) and keeps a 1/N shard, and each
+    (and the driver) holds a full cache."""
     local = world_size if local_ranks is None else local_ranks
-    weights = weight_bytes(config, dtype) * local * (1 + 1 / world_size)
+    weights = weight_bytes(config, dtype, quantization, stored) * local * (1 + 1 / world_size)
     need = weights + kv_bytes_per_token(config, dtype) * kv_tokens * (local + 1)
     have = available_memory_bytes()
     if need > 0.9 * have:
         raise ConfigError(
             f"{local} tensor-parallel rank(s) of {config.model_type} need about "
-            f"{need / 2**30:.1f} GiB while starting (each builds the full {dtype} model, then "
+            f"{need / 2**30:.1f} GiB while starting (each builds the full model, then "
             f"keeps its shard; every rank and the driver hold a KV cache of {kv_tokens} tokens), "
             f"but only {have / 2**30:.1f} GiB is available"
         )
@@ -329,15 +337,22 @@ def start_workers(
     compile: bool,
     compile_cache_dir: str | os.PathLike[str] | None,
     local_ranks: int | None = None,
+    quantization: str | None = None,
 ) -> WorkerGroup:
     """A started ``WorkerGroup`` for the full model ``config`` (see ``sharding`` for the
     split; ``local_ranks``: see ``WorkerGroup``). Packages go to ``<compile cache>/tp<N>``:
     a shard's graph holds all-reduces that an unsharded model of the same shapes does not,
     so the two must never share a key."""
     from mlafx.compile.compiled_step import default_cache_dir
+    from mlafx.models.loader import servable_stored_quantization
 
-    check_shardable(config, world_size)
-    check_local_ranks_fit(config, dtype, num_blocks * block_size, world_size, local_ranks)
+    stored = None
+    if load_format == "auto" and model_dir is not None:
+        stored = servable_stored_quantization(model_dir)
+    check_shardable(config, world_size, format_blocks(quantization, stored))
+    check_local_ranks_fit(
+        config, dtype, num_blocks * block_size, world_size, local_ranks, quantization, stored
+    )
     base = default_cache_dir() if compile_cache_dir is None else Path(compile_cache_dir)
     spec = WorkerSpec(
         rank=0,
@@ -346,6 +361,7 @@ def start_workers(
         model_dir=model_dir,
         load_format=load_format,
         dtype=dtype,
+        quantization=quantization,
         seed=seed,
         block_size=block_size,
         num_blocks=num_blocks,

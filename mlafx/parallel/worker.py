@@ -57,6 +57,7 @@ class WorkerSpec:
     model_dir: str | None  # None: a preset (dummy weights)
     load_format: str
     dtype: str
+    quantization: str | None  # on-load int8/int4; a checkpoint stored quantized loads as stored
     seed: int
     block_size: int
     num_blocks: int
@@ -80,6 +81,7 @@ class _Rank:
             spec.model_dir,
             seed=spec.seed,
             progress=False,
+            quantization=spec.quantization,  # type: ignore[arg-type]
         )
         self.model = shard_model(full, spec.rank, spec.world_size)
         del full

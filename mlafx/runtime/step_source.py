@@ -23,6 +23,7 @@ from mlafx.models.loader import (
 from mlafx.models.quantized import Quantization, check_quantization
 from mlafx.models.step import StepFn
 from mlafx.parallel import WorkerGroup, check_shardable, start_workers
+from mlafx.parallel.quantized_shards import format_blocks
 from mlafx.runtime.chat_template import ChatTemplate, load_chat_template
 from mlafx.runtime.options import ServingOptions
 from mlafx.runtime.tokenizer import load_tokenizer
@@ -104,11 +105,6 @@ def check_model_options(
     if options.batch_invariant:
         check_batch_invariant(build.compile, build.quantization)
     tp = build.tensor_parallel_size
-    if build.quantization is not None and tp != 1:
-        raise ValueError(
-            "quantization is not supported with tensor_parallel_size > 1 yet (the shards "
-            "split full-precision weights)"
-        )
     if build.tensor_parallel_local_ranks is not None and tp == 1:
         raise ValueError("tensor_parallel_local_ranks needs tensor_parallel_size > 1")
     if tp != 1:
@@ -127,11 +123,8 @@ def check_model_options(
             "batch_invariant is not supported with checkpoints stored quantized yet (the "
             "quantized kernels' choices still follow the batch's shape)"
         )
-    if stored is not None and tp != 1:
-        raise ValueError(
-            "checkpoints stored quantized are not supported with tensor_parallel_size > 1 "
-            "yet (the shards split full-precision weights)"
-        )
+    if tp != 1:
+        check_shardable(cfg, tp, format_blocks(build.quantization, stored))
     # the weights plus the cache must fit
     blocks = options.num_blocks(cfg, build.dtype)
     check_fits_in_memory(cfg, build.dtype, blocks * options.block_size, build.quantization, stored)
@@ -161,6 +154,7 @@ def model_source(
             compile=build.compile,
             compile_cache_dir=build.compile_cache_dir,
             local_ranks=build.tensor_parallel_local_ranks,
+            quantization=build.quantization,
         )
         return StepSource(cfg, build.dtype, workers, workers=workers, **text)
     reference = build_model(
