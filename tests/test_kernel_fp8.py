@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_kernel_quant import _cpu_flags
 
 from mlafx.kernels import cpu_isa, linear_fp8, moe_experts_fp8
 from mlafx.kernels.fp8_format import dequantize_fp8, quantize_fp8, scale_shape
@@ -252,11 +253,11 @@ def test_moe_out_of_range_id_raises():
 
 _PROBE = """
 import sys, torch
-from mlafx.kernels import cpu_isa, linear_fp8, moe_experts_fp8
+from mlafx.kernels import fp8_cpu_isa, linear_fp8, moe_experts_fp8
 linear_cases, moe_cases = torch.load(sys.argv[1])
 out = [linear_fp8(*args) for args in linear_cases]
 moe = [moe_experts_fp8(*args) for args in moe_cases]
-torch.save((cpu_isa(), out, moe), sys.argv[2])
+torch.save((fp8_cpu_isa(), out, moe), sys.argv[2])
 """
 
 
@@ -270,7 +271,8 @@ def _run_probe(tmp_path, name, **env_vars):
 
 def test_every_isa_path_within_the_bound(tmp_path):
     """The best path this CPU has (no variables; VBMI byte-table decoding where the CPU has
-    it), the AVX-512 one without AMX, the arithmetic decoding (MLAFX_DISABLE_VBMI=1), and the
+    it), the AVX-512 one without AMX, the arithmetic decoding (MLAFX_DISABLE_VBMI=1), the one
+    below AVX2 (MLAFX_DISABLE_AVX2=1: AVX-512 where the CPU has it, else portable) and the
     portable one (MLAFX_DISABLE_AVX512=1) on the same cases: rows 1/8/32/33/1024, every
     dtype, partial blocks, strided rows, both expert paths."""
     gen = torch.Generator().manual_seed(5)
@@ -286,11 +288,16 @@ def test_every_isa_path_within_the_bound(tmp_path):
         "best": _run_probe(tmp_path, "best"),
         "no_amx": _run_probe(tmp_path, "no_amx", MLAFX_DISABLE_AMX="1"),
         "no_vbmi": _run_probe(tmp_path, "no_vbmi", MLAFX_DISABLE_VBMI="1"),
+        "no_avx2": _run_probe(tmp_path, "no_avx2", MLAFX_DISABLE_AVX2="1"),
         "portable": _run_probe(tmp_path, "portable", MLAFX_DISABLE_AVX512="1"),
     }
     assert runs["portable"][0] == "portable"
-    if cpu_isa() != "portable":
-        assert runs["best"][0] == cpu_isa() and runs["no_amx"][0] == "avx512_bf16"
+    if cpu_isa() != "portable":  # AVX-512 BF16: its paths, whatever AVX2 says
+        assert runs["best"][0] in ("avx512_vbmi", "avx512_bf16")
+        assert runs["no_amx"][0] == runs["no_avx2"][0] == runs["best"][0]
+        assert runs["no_vbmi"][0] == "avx512_bf16"
+    elif {"avx2", "fma", "f16c"} <= _cpu_flags():
+        assert runs["best"][0] == "avx2" and runs["no_avx2"][0] == "portable"
     for _, out, moe in runs.values():
         for result, args in zip(out, linear_cases, strict=True):
             _assert_within_bound(result, *args)

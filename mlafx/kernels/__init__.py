@@ -37,7 +37,7 @@ from mlafx.kernels.extension import (
     parallel_num_threads,
     set_batch_invariant,
 )
-from mlafx.kernels.fp8_ops import linear_fp8, moe_experts_fp8
+from mlafx.kernels.fp8_ops import fp8_cpu_isa, linear_fp8, moe_experts_fp8
 from mlafx.kernels.gemm_ops import (
     batched_matmul,
     linear_decode,
@@ -60,6 +60,7 @@ __all__ = [
     "batch_invariant_mode",
     "batched_matmul",
     "cpu_isa",
+    "fp8_cpu_isa",
     "dsa_indexer_topk",
     "gather_latent",
     "library_path",

@@ -107,4 +107,13 @@ def moe_experts_fp8(
     )
 
 
-__all__ = ["linear_fp8", "moe_experts_fp8"]
+def fp8_cpu_isa() -> str:
+    """``"avx512_vbmi"``, ``"avx512_bf16"``, ``"avx2"`` or ``"portable"``: the kernel the block
+    FP8 ops take in this process below ``kFp8GemmRows`` rows of x (``MLAFX_DISABLE_VBMI=1``:
+    the AVX-512 arithmetic decoding; ``MLAFX_DISABLE_AVX512=1``: portable;
+    ``MLAFX_DISABLE_AVX2=1``: the AVX2 tier off alone). The paths differ only in fp32
+    summation order."""
+    return torch.ops.mlafx.fp8_cpu_isa()
+
+
+__all__ = ["fp8_cpu_isa", "linear_fp8", "moe_experts_fp8"]

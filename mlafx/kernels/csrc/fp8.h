@@ -7,9 +7,9 @@
 // Every e4m3 value is exact in bfloat16 (and float32), so the kernels widen the bytes in
 // registers and multiply exactly: out = sum over k blocks of scale * (the block's fp32 sum of
 // x * e4m3), each block's partial sum scaled once. bf16 activations go to VDPBF16PS; fp32
-// activations (fp16 and fp32 x, and every x on the portable path) to fp32 FMAs.
+// activations (fp16 and fp32 x, and every x on the AVX2 and portable paths) to fp32 FMAs.
 //
-// Deliberately free of ATen/c10 includes: shared between portable and AVX-512 objects.
+// Deliberately free of ATen/c10 includes: shared between portable, AVX2 and AVX-512 objects.
 #pragma once
 
 #include <cstdint>
@@ -39,8 +39,9 @@ struct Fp8Rows {
 };
 
 // out[m * ldo + n - n0] = sum_kb scale[n / block_n, kb] * sum_{k in kb} x[m, k] * e4m3(W[n, k])
-// for m < M and n0 <= n < n1, fp32. The AVX-512 kernels when use_avx512_bf16(), else the
-// portable one; they differ only in fp32 summation order. Single-threaded: callers split n.
+// for m < M and n0 <= n < n1, fp32. The AVX-512 kernels when use_avx512_bf16(), else the AVX2
+// one when use_avx2(), else the portable one; they differ only in fp32 summation order.
+// Single-threaded: callers split n.
 void fp8_dot(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
              float* out, int64_t ldo);
 
@@ -48,7 +49,8 @@ void fp8_dot(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_
 float e4m3_to_float(uint8_t byte);
 
 // out[(n - n0) * K + k] = e4m3(W[n, k]) * scale[n / block_n, k / block_k] in fp32 (rounded once)
-// for n0 <= n < n1. AVX-512 when use_avx512_bf16(), else portable; bit-identical.
+// for n0 <= n < n1. AVX-512 when use_avx512_bf16(), else AVX2 when use_avx2(), else portable;
+// bit-identical.
 // Single-threaded.
 void fp8_dequantize(const Fp8Weight& w, int64_t n0, int64_t n1, float* out);
 
@@ -65,3 +67,13 @@ void fp8_dot_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, in
 void fp8_dequantize(const Fp8Weight& w, int64_t n0, int64_t n1, float* out);
 
 }  // namespace mlafx::avx512
+
+namespace mlafx::avx2 {
+
+// The contract of fp8_dot for fp32 rows (x.f32) and of fp8_dequantize; call only when
+// mlafx::use_avx2() (fp8_dot_avx2.cpp).
+void fp8_dot_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
+                 float* out, int64_t ldo);
+void fp8_dequantize(const Fp8Weight& w, int64_t n0, int64_t n1, float* out);
+
+}  // namespace mlafx::avx2

@@ -1,11 +1,14 @@
-// fp8_dot (fp8.h): the run-time choice between the AVX-512 kernels (fp8_dot_avx512.cpp) and
-// the portable one, which is the obvious loop: a 256-entry e4m3 table, fp32 products and
-// sums per k block, each block's sum scaled once.
+// fp8_dot (fp8.h): the run-time choice between the AVX-512 kernels (fp8_dot_avx512.cpp), the
+// AVX2 one (fp8_dot_avx2.cpp) and the portable one, which is the obvious loop: a 256-entry
+// e4m3 table, fp32 products and sums per k block, each block's sum scaled once.
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
+
+#include <torch/library.h>
 
 #include "cpu_features.h"
 #include "fp8.h"
@@ -64,6 +67,10 @@ void fp8_dequantize(const Fp8Weight& w, int64_t n0, int64_t n1, float* out) {
     avx512::fp8_dequantize(w, n0, n1, out);
     return;
   }
+  if (use_avx2()) {
+    avx2::fp8_dequantize(w, n0, n1, out);
+    return;
+  }
   const std::array<float, 256>& table = e4m3_table();
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.w + n * w.ldw;
@@ -89,7 +96,25 @@ void fp8_dot(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_
     }
     return;
   }
+  if (use_avx2()) {
+    avx2::fp8_dot_f32(w, x, M, n0, n1, out, ldo);
+    return;
+  }
   fp8_dot_portable(w, x, M, n0, n1, out, ldo);
 }
 
 }  // namespace mlafx
+
+TORCH_LIBRARY_FRAGMENT(mlafx, m) {
+  // Which kernel the block FP8 ops take in this process for few rows of x: "avx512_vbmi" (the
+  // byte-table decoding), "avx512_bf16", "avx2" or "portable".
+  m.def("fp8_cpu_isa() -> str", [] {
+    if (mlafx::use_avx512_vbmi()) {
+      return std::string("avx512_vbmi");
+    }
+    if (mlafx::use_avx512_bf16()) {
+      return std::string("avx512_bf16");
+    }
+    return std::string(mlafx::use_avx2() ? "avx2" : "portable");
+  });
+}
