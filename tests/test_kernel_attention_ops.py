@@ -257,7 +257,7 @@ def test_vectorised_and_portable_agree_on_deepseek_decode(tmp_path):
         )
         outs[name] = torch.load(path)
     assert outs["portable"][0] == "portable"
-    assert outs["no-amx"][0] in ("avx512_bf16", "portable")
+    assert outs["no-amx"][0] in ("avx512_bf16", "avx2", "portable")
     out_p, lse_p = outs["portable"][1]
     for name in ("default", "no-amx"):
         out_v, lse_v = outs[name][1]

@@ -94,10 +94,13 @@ def load_extension() -> ModuleType:
 
 def cpu_isa() -> str:
     """The kernels' code path in this process: ``"avx512_amx"`` (AVX-512 BF16 plus the AMX
-    tile unit, which the bf16 attention core uses), ``"avx512_bf16"`` or ``"portable"``.
+    tile unit, which the bf16 attention core uses), ``"avx512_bf16"``, ``"avx2"`` (a CPU
+    without AVX-512 BF16: AVX2 attention cores, quantized and FP8 products; the bf16 GEMMs and
+    experts portable) or ``"portable"``.
 
     Fixed when the first op runs; set ``MLAFX_DISABLE_AMX=1`` before that to keep the AVX-512
-    path without tiles, ``MLAFX_DISABLE_AVX512=1`` to force the portable path.
+    path without tiles, ``MLAFX_DISABLE_AVX2=1`` to turn the AVX2 tier off,
+    ``MLAFX_DISABLE_AVX512=1`` to force the portable path.
     """
     load_extension()
     return torch.ops.mlafx.cpu_isa()

@@ -229,19 +229,21 @@ struct PortableCore {
 namespace mlafx::attn {
 
 const CoreOps& select_core(at::ScalarType dtype, const CoreDims& dims) {
+  const bool avx512 = mlafx::use_avx512_bf16();
+  const bool avx2 = !avx512 && mlafx::use_avx2();
   switch (dtype) {
     case at::kBFloat16:
       if (mlafx::use_amx_bf16() && mlafx::avx512::attention_core_amx_supports(dims)) {
         return mlafx::avx512::attention_core_bf16_amx();
       }
-      return mlafx::use_avx512_bf16() ? mlafx::avx512::attention_core_bf16()
-                                      : PortableCore<c10::BFloat16>::ops();
+      if (avx512) return mlafx::avx512::attention_core_bf16();
+      return avx2 ? mlafx::avx2::attention_core_bf16() : PortableCore<c10::BFloat16>::ops();
     case at::kHalf:
-      return mlafx::use_avx512_bf16() ? mlafx::avx512::attention_core_f16()
-                                      : PortableCore<c10::Half>::ops();
+      if (avx512) return mlafx::avx512::attention_core_f16();
+      return avx2 ? mlafx::avx2::attention_core_f16() : PortableCore<c10::Half>::ops();
     case at::kFloat:
-      return mlafx::use_avx512_bf16() ? mlafx::avx512::attention_core_f32()
-                                      : PortableCore<float>::ops();
+      if (avx512) return mlafx::avx512::attention_core_f32();
+      return avx2 ? mlafx::avx2::attention_core_f32() : PortableCore<float>::ops();
     default:
       TORCH_CHECK(false, "attention: unsupported dtype ", dtype);  // checked earlier
   }

@@ -10,8 +10,10 @@
 //
 // The implementations sit behind one table of function pointers: the portable scalar
 // reference (attention.cpp, every dtype), the AVX-512 BF16 one (attention_avx512.cpp, bf16:
-// q.k and P.V as _mm512_dpbf16_ps against packed Q and V) and the AVX-512 fp32-FMA one
-// (attention_f32_avx512.cpp, fp32 and fp16). The driver does not know which one it runs.
+// q.k and P.V as _mm512_dpbf16_ps against packed Q and V), its AMX twin, the AVX-512 fp32-FMA
+// one (attention_f32_avx512.cpp, fp32 and fp16) and, on AVX2-only CPUs, the same fp32-FMA
+// core on 8 lanes (attention_f32_avx2.cpp, every dtype). The driver does not know which one
+// it runs.
 //
 // Deliberately free of ATen/c10 includes: this header is shared between portable and
 // AVX-512 objects, and anything inline in it would be compiled under both flag sets.
@@ -76,3 +78,13 @@ const mlafx::attn::CoreOps& attention_core_f32();
 const mlafx::attn::CoreOps& attention_core_f16();
 
 }  // namespace mlafx::avx512
+
+namespace mlafx::avx2 {
+
+// fp32-FMA cores for bf16, fp16 and fp32 inputs on AVX2 (attention_f32_avx2.cpp); call only
+// when mlafx::use_avx2() (and AVX-512 BF16 is off: its cores come first).
+const mlafx::attn::CoreOps& attention_core_bf16();
+const mlafx::attn::CoreOps& attention_core_f16();
+const mlafx::attn::CoreOps& attention_core_f32();
+
+}  // namespace mlafx::avx2

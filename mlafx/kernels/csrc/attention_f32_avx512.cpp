@@ -14,6 +14,7 @@
 
 #include "attention.h"
 #include "attention_avx512_math.h"
+#include "attention_f32_layout.h"
 
 #if !defined(__AVX512BF16__) || !defined(CPU_CAPABILITY_AVX512)
 #error "attention_f32_avx512.cpp must be compiled with the AVX-512 flags from setup.py"
@@ -27,33 +28,8 @@ using mlafx::attn::CoreOps;
 using mlafx::attn::kBlockKeys;
 using mlafx::attn::kMaxRows;
 
-struct Layout {
-  int64_t wq, dvp;
-  size_t hdr, qf, lim, kf, s, vf, o, m, l, alpha, total;
-  explicit Layout(const CoreDims& d) : wq(d.wa + d.wb), dvp(round_up16(d.dv)) {
-    size_t at = 0;
-    auto take = [&](size_t bytes) {
-      const size_t here = at;
-      at += align64(bytes);
-      return here;
-    };
-    hdr = take(64);
-    qf = take(4 * static_cast<size_t>(wq) * kMaxRows);
-    lim = take(4 * kMaxRows);
-    kf = take(4 * kBlockKeys * static_cast<size_t>(wq));
-    s = take(4 * kBlockKeys * kMaxRows);
-    vf = take(4 * kBlockKeys * static_cast<size_t>(dvp));
-    o = take(4 * kMaxRows * static_cast<size_t>(dvp));
-    m = take(4 * kMaxRows);
-    l = take(4 * kMaxRows);
-    alpha = take(4 * kMaxRows);
-    total = at;
-  }
-};
-
-struct Header {
-  int64_t rows, gp;
-};
+using Layout = mlafx::attn::F32Layout;
+using Header = mlafx::attn::F32Header;
 
 // Element types: fp32 (float) or fp16 (uint16_t bits).
 template <typename E>

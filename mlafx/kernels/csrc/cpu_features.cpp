@@ -140,7 +140,10 @@ const char* active_cpu_isa() {
   if (use_amx_bf16()) {
     return "avx512_amx";
   }
-  return use_avx512_bf16() ? "avx512_bf16" : "portable";
+  if (use_avx512_bf16()) {
+    return "avx512_bf16";
+  }
+  return use_avx2() ? "avx2" : "portable";
 }
 
 }  // namespace mlafx

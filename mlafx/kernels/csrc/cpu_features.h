@@ -58,7 +58,9 @@ bool amx_disabled_by_env();
 // kernels (`*_amx_avx512.cpp`) may only be called when this is true.
 bool use_amx_bf16();
 
-// "avx512_amx", "avx512_bf16" or "portable": which path the kernels take in this process.
+// "avx512_amx", "avx512_bf16", "avx2" or "portable": which path the kernels take in this
+// process. "avx2" (no AVX-512 BF16): the attention cores, the quantized and the block FP8
+// products are vectorised; the bf16 GEMMs and experts run portably.
 const char* active_cpu_isa();
 
 }  // namespace mlafx
