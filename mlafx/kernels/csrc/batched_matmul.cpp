@@ -1,7 +1,8 @@
 // batched_matmul: the absorbed attention's per-head products (q_nope W_UK, out_lat W_UV^T).
 //
 //   x: [B, M, K]  bf16/fp16/fp32      w: [B, K, N]  x's dtype      -> out [B, M, N] (x's dtype)
-//     out[b] = x[b] @ w[b]: ATen's bmm.
+//     out[b] = x[b] @ w[b]: ATen's bmm (in fp32 on widened copies, rounded once, for bf16/fp16
+//     on CPUs without AVX-512 BF16, where ATen's 16-bit bmm is emulated).
 //
 // In batch-invariant mode (batch_invariant.h) the rows go through ATen's bmm as fixed
 // [B, kTileRows, K] tiles, the last one zero-padded: the library picks its kernel by the
@@ -19,6 +20,7 @@
 #include <cstdint>
 
 #include "batch_invariant.h"
+#include "cpu_features.h"
 
 namespace mlafx {
 namespace {
@@ -36,19 +38,23 @@ at::Tensor batched_matmul(const at::Tensor& x,  // [B, M, K]
                     " and ", w.sizes());
   TORCH_CHECK_TYPE(w.scalar_type() == x.scalar_type(), "batched_matmul: w dtype ",
                    w.scalar_type(), " must equal x's ", x.scalar_type());
+  // Without AVX-512 BF16, ATen's bf16/fp16 bmm is emulated at ~1 GFLOP/s: multiply fp32
+  // copies (exact) and round the fp32 product once, as the native GEMM rounds its sums.
+  const bool widen = x.scalar_type() != at::kFloat && !use_avx512_bf16();
+  const at::Tensor w_mm = widen ? w.to(at::kFloat) : w;
   if (!batch_invariant()) {
-    return at::bmm(x, w);
+    return widen ? at::bmm(x.to(at::kFloat), w_mm).to(x.scalar_type()) : at::bmm(x, w);
   }
   const int64_t B = x.size(0), M = x.size(1), K = x.size(2), N = w.size(2);
   at::Tensor out = at::empty({B, M, N}, x.options());
-  at::Tensor tile = at::zeros({B, kTileRows, K}, x.options());
+  at::Tensor tile = at::zeros({B, kTileRows, K}, w_mm.options());
   for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
     const int64_t rows = std::min(kTileRows, M - m0);
     tile.narrow(1, 0, rows).copy_(x.narrow(1, m0, rows));
     if (rows < kTileRows) {
       tile.narrow(1, rows, kTileRows - rows).zero_();
     }
-    out.narrow(1, m0, rows).copy_(at::bmm(tile, w).narrow(1, 0, rows));
+    out.narrow(1, m0, rows).copy_(at::bmm(tile, w_mm).narrow(1, 0, rows));
   }
   return out;
 }

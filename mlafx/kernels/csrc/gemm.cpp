@@ -165,6 +165,9 @@ void rows_dot(FloatKind kind, const void* x, int64_t ldx, int64_t M, const void*
       if (use_avx512_bf16()) {
         avx512::rows_dot_bf16(static_cast<const uint16_t*>(x), ldx, M,
                               static_cast<const uint16_t*>(w), ldw, K, n_begin, n_end, out, ldo);
+      } else if (use_avx2()) {
+        avx2::rows_dot_bf16(static_cast<const uint16_t*>(x), ldx, M,
+                            static_cast<const uint16_t*>(w), ldw, K, n_begin, n_end, out, ldo);
       } else {
         rows_dot_scalar(static_cast<const c10::BFloat16*>(x), ldx, M,
                         static_cast<const c10::BFloat16*>(w), ldw, K, n_begin, n_end, out, ldo);
@@ -193,6 +196,10 @@ void packed_dot(FloatKind kind, const void* x, int64_t ldx, int64_t M, const voi
         avx512::packed_dot_bf16(static_cast<const uint16_t*>(x), ldx, M,
                                 static_cast<const uint16_t*>(wp), K, block_begin, block_end, out,
                                 ldo);
+      } else if (use_avx2()) {
+        avx2::packed_dot_bf16(static_cast<const uint16_t*>(x), ldx, M,
+                              static_cast<const uint16_t*>(wp), K, block_begin, block_end, out,
+                              ldo);
       } else {
         packed_dot_scalar(static_cast<const c10::BFloat16*>(x), ldx, M,
                           static_cast<const c10::BFloat16*>(wp), K, block_begin, block_end, out,
@@ -463,10 +470,20 @@ at::Tensor linear_decode(const at::Tensor& x,       // [M, K]
 // for that to show: ~0.7-0.8x of F.linear there.
 constexpr int64_t kUnpackChunkBytes = int64_t{4} << 20;
 
+// Whether ATen's GEMM in x's dtype runs at a usable rate here. bf16 and fp16 GEMMs need
+// AVX-512 BF16 (and the AMX tiles) for that: without it oneDNN emulates them at ~1 GFLOP/s
+// (measured on a 2-core AVX2 Zen 2, against ~64 GFLOP/s for fp32), so there the chunked
+// product widens x and each unpacked chunk of W to fp32 and rounds the fp32 result once.
+bool native_16bit_gemm(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat || use_avx512_bf16();
+}
+
 // x [M, K] @ W^T on checked inputs, for M above stream_max_rows(): W unpacked a chunk of output
 // rows (a multiple of 16) at a time into one row-major scratch, which ATen's mm (oneDNN)
 // multiplies into those columns of the output. No copy of the whole W is ever made.
-// A bias goes in through addmm, which oneDNN adds before its one rounding.
+// A bias goes in through addmm, which oneDNN adds before its one rounding. Where the 16-bit
+// GEMM is not native (native_16bit_gemm), the product runs in fp32 on widened copies of x and
+// of the chunk (exact), bias added in fp32, and the result is rounded once to x's dtype.
 at::Tensor linear_chunked_mm(const at::Tensor& x,       // [M, K]
                              const at::Tensor& packed,  // [ceil(N/16), ceil(K/2), 32]
                              int64_t N, const at::Tensor* bias = nullptr) {  // [N] or none
@@ -476,20 +493,32 @@ at::Tensor linear_chunked_mm(const at::Tensor& x,       // [M, K]
   if (M == 0 || N == 0) {
     return out;
   }
+  const bool widen = !native_16bit_gemm(x);
+  const at::Tensor x_mm = widen ? x.to(at::kFloat) : x;
   const int64_t row_bytes = std::max<int64_t>(K, 1) * static_cast<int64_t>(x.element_size());
   const int64_t chunk_rows =
       std::min(packed.size(0) * kPackedBlockRows,
                std::max(kPackedBlockRows,
                         kUnpackChunkBytes / row_bytes / kPackedBlockRows * kPackedBlockRows));
   at::Tensor scratch = at::empty({chunk_rows, K}, x.options());  // [chunk_rows, K] rows of W
+  at::Tensor wide = widen ? at::empty({chunk_rows, K}, at::kFloat) : scratch;
+  at::Tensor product = widen ? at::empty({M, chunk_rows}, at::kFloat) : at::Tensor();
+  const at::Tensor bias_mm = bias == nullptr ? at::Tensor() : widen ? bias->to(at::kFloat) : *bias;
   for (int64_t n0 = 0; n0 < N; n0 += chunk_rows) {
     const int64_t rows = std::min(chunk_rows, N - n0);
     unpack_rows_parallel(packed, K, n0, n0 + rows, scratch.data_ptr(), K);
+    if (widen) {
+      wide.narrow(0, 0, rows).copy_(scratch.narrow(0, 0, rows));
+    }
     at::Tensor columns = out.narrow(1, n0, rows);  // [M, rows], row stride N
+    at::Tensor target = widen ? product.narrow(1, 0, rows) : columns;
     if (bias != nullptr) {
-      at::addmm_out(columns, bias->narrow(0, n0, rows), x, scratch.narrow(0, 0, rows).t());
+      at::addmm_out(target, bias_mm.narrow(0, n0, rows), x_mm, wide.narrow(0, 0, rows).t());
     } else {
-      at::mm_out(columns, x, scratch.narrow(0, 0, rows).t());
+      at::mm_out(target, x_mm, wide.narrow(0, 0, rows).t());
+    }
+    if (widen) {
+      columns.copy_(target);
     }
   }
   return out;

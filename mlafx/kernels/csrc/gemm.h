@@ -33,8 +33,8 @@ constexpr int64_t kPackedBlockRows = 16;
 // Row-major weight w [N, K] (row stride ldw):
 //   out[m * ldo + (n - n_begin)] = sum_k x[m * ldx + k] * w[n * ldw + k]
 //   for m < M, n_begin <= n < n_end; fp32 accumulation.
-// Portable entry (gemm.cpp): the AVX-512 kernel for bf16 when use_avx512_bf16(), else the
-// scalar reference. Single-threaded: callers give each thread its own range of weight rows.
+// Portable entry (gemm.cpp): the AVX-512 kernel for bf16 when use_avx512_bf16(), else the AVX2
+// one when use_avx2(), else the scalar reference. Single-threaded: callers give each thread its own range of weight rows.
 void rows_dot(FloatKind kind, const void* x, int64_t ldx, int64_t M, const void* w, int64_t ldw,
               int64_t K, int64_t n_begin, int64_t n_end, float* out, int64_t ldo);
 
@@ -79,3 +79,15 @@ void packed_dot_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16
                          int64_t block_begin, int64_t block_end, float* out, int64_t ldo);
 
 }  // namespace mlafx::avx512
+
+namespace mlafx::avx2 {
+
+// bf16 x and weights (raw 16-bit patterns); the contracts of rows_dot and packed_dot, widened
+// to fp32 in registers. Defined in gemm_avx2.cpp; call only when mlafx::use_avx2() (and AVX-512
+// BF16 is off: its kernels come first).
+void rows_dot_bf16(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t ldw,
+                   int64_t K, int64_t n_begin, int64_t n_end, float* out, int64_t ldo);
+void packed_dot_bf16(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int64_t K,
+                     int64_t block_begin, int64_t block_end, float* out, int64_t ldo);
+
+}  // namespace mlafx::avx2

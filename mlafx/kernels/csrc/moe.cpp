@@ -63,8 +63,9 @@ namespace {
 // more go to ATen's GEMM. bf16 on an AVX-512 BF16 CPU: 32 with VDPBF16PS, 16 on the tile unit
 // (one tile of x holds 16 rows). Measured on Zen 4 (2 threads, the embedded default's experts,
 // D=2048, I=1408): ATen's GEMM runs [17..22, 2048] x [2048, 2816] at ~200 GFLOP/s (1.2 ms),
-// twice the time VDPBF16PS needs to stream that weight at 22 rows. Other dtypes take the
-// scalar kernel, which pays only for a few pairs.
+// twice the time VDPBF16PS needs to stream that weight at 22 rows. bf16 on AVX2 streams 32
+// too (the fp32 GEMM path widens the expert's weights per call). Other dtypes take the scalar
+// kernel, which pays only for a few pairs.
 constexpr int64_t kMaxStreamingPairs = 32;  // the most any kernel streams
 constexpr int64_t kMaxStreamingPairsTiles = 16;
 constexpr int64_t kMaxStreamingPairsScalar = 8;
@@ -79,8 +80,8 @@ int64_t max_streaming_pairs(at::ScalarType dtype, bool tiles) {
   if (tiles) {
     return kMaxStreamingPairsTiles;
   }
-  return dtype == at::kBFloat16 && use_avx512_bf16() ? kMaxStreamingPairs
-                                                     : kMaxStreamingPairsScalar;
+  return dtype == at::kBFloat16 && (use_avx512_bf16() || use_avx2()) ? kMaxStreamingPairs
+                                                                     : kMaxStreamingPairsScalar;
 }
 
 // Weight rows per rows_dot call inside a thread's share: the fp32 results ([pairs, 64])
