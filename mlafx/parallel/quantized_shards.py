@@ -28,7 +28,7 @@ from mlafx.models.fp8 import Fp8Experts, Fp8Linear
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 
 ROWS, COLS = 0, 1
-_AXIS_WORD = {ROWS: "rows", COLS: "columns"}
+AXIS_WORDS = {ROWS: "rows", COLS: "columns"}
 QUANTIZED_MODULES = (QuantizedLinear, QuantizedExperts, Fp8Linear, Fp8Experts)
 
 
@@ -41,8 +41,8 @@ class _Cut:
         if self.part % block:
             raise ValueError(
                 f"tensor_parallel_size={world} cannot split {name}: its {total} "
-                f"{_AXIS_WORD[axis]} into parts of {self.part}, which are not whole "
-                f"{block}-{_AXIS_WORD[axis]} blocks of its quantized format"
+                f"{AXIS_WORDS[axis]} into parts of {self.part}, which are not whole "
+                f"{block}-{AXIS_WORDS[axis]} blocks of its quantized format"
             )
         self.start = rank * self.part
         self.block = block

@@ -42,7 +42,13 @@ import torch
 from mlafx.config import ModelConfig
 from mlafx.models.deepseek import MLAForCausalLM
 from mlafx.models.packed_int4_checkpoint import replace_module
-from mlafx.parallel.quantized_shards import COLS, QUANTIZED_MODULES, ROWS, shard_quantized
+from mlafx.parallel.quantized_shards import (
+    AXIS_WORDS,
+    COLS,
+    QUANTIZED_MODULES,
+    ROWS,
+    shard_quantized,
+)
 
 
 def check_shardable(
@@ -87,9 +93,8 @@ def _check_whole_blocks(
     if "moe_intermediate_size" in widths and cfg.n_shared_experts:
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts // world_size
         per_rank["shared experts' intermediate width"] = (shared, (ROWS, COLS))
-    axis_word = {ROWS: "rows", COLS: "columns"}
     bad = [
-        f"{what} {width} per rank (blocks of {blocks[axis]} {axis_word[axis]})"
+        f"{what} {width} per rank (blocks of {blocks[axis]} {AXIS_WORDS[axis]})"
         for what, (width, axes) in per_rank.items()
         for axis in axes
         if width % blocks[axis]
