@@ -48,7 +48,7 @@ using mlafx::attn::CoreOps;
 using mlafx::attn::kBlockKeys;
 using mlafx::attn::kMaxRows;
 
-using mlafx::attn::align64;
+using mlafx::WorkspaceCarver;
 using mlafx::attn::kNegInf;
 using mlafx::attn::run_attention;
 using mlafx::attn::select_core;
@@ -70,22 +70,17 @@ struct PortableLayout {
   explicit PortableLayout(const CoreDims& d) {
     const size_t wq = static_cast<size_t>(d.wa + d.wb);
     const size_t dv = static_cast<size_t>(d.dv);
-    size_t at = 0;
-    auto take = [&](size_t bytes) {
-      const size_t here = at;
-      at += align64(bytes);
-      return here;
-    };
-    rows = take(sizeof(int64_t));
-    qf = take(sizeof(float) * kMaxRows * wq);
-    kf = take(sizeof(float) * wq);
-    vf = take(sizeof(float) * dv);
-    o = take(sizeof(float) * kMaxRows * dv);
-    m = take(sizeof(float) * kMaxRows);
-    l = take(sizeof(float) * kMaxRows);
-    lim = take(sizeof(int64_t) * kMaxRows);
-    s = take(sizeof(float) * kMaxRows * kBlockKeys);
-    total = at;
+    WorkspaceCarver carve;
+    rows = carve.take(sizeof(int64_t));
+    qf = carve.take(sizeof(float) * kMaxRows * wq);
+    kf = carve.take(sizeof(float) * wq);
+    vf = carve.take(sizeof(float) * dv);
+    o = carve.take(sizeof(float) * kMaxRows * dv);
+    m = carve.take(sizeof(float) * kMaxRows);
+    l = carve.take(sizeof(float) * kMaxRows);
+    lim = carve.take(sizeof(int64_t) * kMaxRows);
+    s = carve.take(sizeof(float) * kMaxRows * kBlockKeys);
+    total = carve.total();
   }
 };
 
@@ -377,8 +372,7 @@ std::tuple<at::Tensor, at::Tensor> mla_attention_paged(
     }
   }
   const CoreDims dims{W, 0, kv_lora_rank, static_cast<float>(scale)};
-  run_attention(p, select_core(q.scalar_type(), dims), dims, q.scalar_type(),
-                /*allow_splits=*/true);
+  run_attention(p, select_core(q.scalar_type(), dims), dims, q.scalar_type());
   return {out, lse};
 }
 
@@ -520,8 +514,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_attention(
     }
   }
   const CoreDims dims{P, R, V, static_cast<float>(scale)};
-  run_attention(p, select_core(q.scalar_type(), dims), dims, q.scalar_type(),
-                /*allow_splits=*/true);
+  run_attention(p, select_core(q.scalar_type(), dims), dims, q.scalar_type());
   return {out, lse};
 }
 

@@ -81,28 +81,23 @@ struct Layout {
   size_t hdr, qp, lim, s, pe, po, pel, pol, o, m, l, alpha, stage_k, stage_v, pf, total;
   explicit Layout(const CoreDims& d)
       : pa(d.wa / 2), pb(d.wb / 2), ca(d.wa / 32), cb(d.wb / 32), dv(d.dv), wk(d.wa + d.wb) {
-    size_t at = 0;
-    auto take = [&](size_t bytes) {
-      const size_t here = at;
-      at += align64(bytes);
-      return here;
-    };
-    hdr = take(64);
-    qp = take(4 * static_cast<size_t>(pa + pb) * kMaxRows);
-    lim = take(4 * kMaxRows);
-    s = take(4 * kBlockKeys * kMaxRows);
-    pe = take(kTileBytes * kRowTiles * kSubTiles);
-    po = take(kTileBytes * kRowTiles * kSubTiles);
-    pel = take(kTileBytes * kRowTiles * kSubTiles);
-    pol = take(kTileBytes * kRowTiles * kSubTiles);
-    o = take(4 * kMaxRows * static_cast<size_t>(dv));
-    m = take(4 * kMaxRows);
-    l = take(4 * kMaxRows);
-    alpha = take(4 * kMaxRows);
-    stage_k = take(2 * kBlockKeys * static_cast<size_t>(wk));
-    stage_v = take(2 * kBlockKeys * static_cast<size_t>(dv));
-    pf = take(sizeof(PrefetchList));
-    total = at;
+    WorkspaceCarver carve;
+    hdr = carve.take(64);
+    qp = carve.take(4 * static_cast<size_t>(pa + pb) * kMaxRows);
+    lim = carve.take(4 * kMaxRows);
+    s = carve.take(4 * kBlockKeys * kMaxRows);
+    pe = carve.take(kTileBytes * kRowTiles * kSubTiles);
+    po = carve.take(kTileBytes * kRowTiles * kSubTiles);
+    pel = carve.take(kTileBytes * kRowTiles * kSubTiles);
+    pol = carve.take(kTileBytes * kRowTiles * kSubTiles);
+    o = carve.take(4 * kMaxRows * static_cast<size_t>(dv));
+    m = carve.take(4 * kMaxRows);
+    l = carve.take(4 * kMaxRows);
+    alpha = carve.take(4 * kMaxRows);
+    stage_k = carve.take(2 * kBlockKeys * static_cast<size_t>(wk));
+    stage_v = carve.take(2 * kBlockKeys * static_cast<size_t>(dv));
+    pf = carve.take(sizeof(PrefetchList));
+    total = carve.total();
   }
 };
 

@@ -50,26 +50,21 @@ struct Layout {
   int64_t pa, pb, dvp;  // pairs in segment a / b, value width padded to 16
   size_t hdr, qp, qtail, lim, s, pp, pl, vp, o, m, l, alpha, pf, total;
   explicit Layout(const CoreDims& d) : pa(d.wa / 2), pb(d.wb / 2), dvp(round_up16(d.dv)) {
-    size_t at = 0;
-    auto take = [&](size_t bytes) {
-      const size_t here = at;
-      at += align64(bytes);
-      return here;
-    };
-    hdr = take(64);
-    qp = take(4 * static_cast<size_t>(pa + pb) * kMaxRows);
-    qtail = take(4 * 2 * kMaxRows);
-    lim = take(4 * kMaxRows);
-    s = take(4 * kBlockKeys * kMaxRows);
-    pp = take(4 * (kBlockKeys / 2) * kMaxRows);
-    pl = take(4 * (kBlockKeys / 2) * kMaxRows);
-    vp = take(4 * (kBlockKeys / 2) * static_cast<size_t>(dvp));
-    o = take(4 * kMaxRows * static_cast<size_t>(dvp));
-    m = take(4 * kMaxRows);
-    l = take(4 * kMaxRows);
-    alpha = take(4 * kMaxRows);
-    pf = take(sizeof(PrefetchList));
-    total = at;
+    WorkspaceCarver carve;
+    hdr = carve.take(64);
+    qp = carve.take(4 * static_cast<size_t>(pa + pb) * kMaxRows);
+    qtail = carve.take(4 * 2 * kMaxRows);
+    lim = carve.take(4 * kMaxRows);
+    s = carve.take(4 * kBlockKeys * kMaxRows);
+    pp = carve.take(4 * (kBlockKeys / 2) * kMaxRows);
+    pl = carve.take(4 * (kBlockKeys / 2) * kMaxRows);
+    vp = carve.take(4 * (kBlockKeys / 2) * static_cast<size_t>(dvp));
+    o = carve.take(4 * kMaxRows * static_cast<size_t>(dvp));
+    m = carve.take(4 * kMaxRows);
+    l = carve.take(4 * kMaxRows);
+    alpha = carve.take(4 * kMaxRows);
+    pf = carve.take(sizeof(PrefetchList));
+    total = carve.total();
   }
 };
 

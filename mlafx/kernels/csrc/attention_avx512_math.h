@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "workspace_layout.h"
+
 #if !defined(__AVX512F__)
 #error "attention_avx512_math.h is for sources compiled with the AVX-512 flags from setup.py"
 #endif
@@ -17,15 +19,8 @@ namespace mlafx::avx512 {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Workspace carving: 64-byte (cache line, zmm) aligned offsets; widths padded to 16 lanes.
-inline size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
+// Widths padded to 16 lanes (the workspace itself: workspace_layout.h).
 inline int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
-
-// A typed pointer into a carved workspace.
-template <typename T>
-inline T* at_offset(void* ws, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
-}
 
 // Two adjacent bf16 values as one 32-bit word (a "pair" of the dot-product layouts).
 inline uint32_t load_pair(const uint16_t* p) {

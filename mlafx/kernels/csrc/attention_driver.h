@@ -20,13 +20,13 @@
 
 #include "attention.h"
 #include "batch_invariant.h"
+#include "lse_merge.h"
 #include "parallel_chunks.h"
+#include "workspace_layout.h"
 
 namespace mlafx::attn {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
 
 // The core for this dtype on this CPU (attention.cpp): AMX, AVX-512 or the portable one.
 const CoreOps& select_core(at::ScalarType dtype, const CoreDims& dims);
@@ -50,65 +50,83 @@ constexpr int64_t kInvariantSplitKeys = kMinSplitKeys;
 //   int64_t num_groups(); int64_t group_keys(g); int64_t group_rows(g);
 //   void rows(g, const void** q, int64_t* limits, void** out, float** lse);
 //   void keys(g, j0, n, const void** ka, const void** kb, const void** v);
+
+// The work of one call: items over the query groups, a group split along its keys when there
+// are too few groups for the threads (or always, in batch-invariant mode).
+struct AttentionPlan {
+  std::vector<WorkItem> items;        // largest first
+  std::vector<int64_t> split_groups;  // groups whose items write partials
+  std::vector<int64_t> first_split;   // per split group: index of its first partial
+  std::vector<int64_t> split_count;   // per split group: its number of partials
+  int64_t num_partials = 0;
+};
+
 template <typename Problem>
-inline void run_attention(const Problem& problem, const CoreOps& core, const CoreDims& dims,
-                          at::ScalarType out_dtype, bool allow_splits) {
+AttentionPlan plan_attention(const Problem& problem, int64_t threads) {
   const int64_t num_groups = problem.num_groups();
-  if (num_groups == 0) {
-    return;
-  }
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  std::vector<int64_t> keys(num_groups);
   int64_t total_keys = 0;
   for (int64_t g = 0; g < num_groups; ++g) {
-    keys[g] = problem.group_keys(g);
-    total_keys += keys[g];
+    total_keys += problem.group_keys(g);
   }
   // Aim for about 4 items per thread so the tail of the schedule is short.
   int64_t chunk = std::numeric_limits<int64_t>::max();
   const bool invariant = mlafx::batch_invariant();
   if (invariant) {
     chunk = kInvariantSplitKeys;
-  } else if (allow_splits && threads > 1 && num_groups < 4 * threads) {
+  } else if (threads > 1 && num_groups < 4 * threads) {
     const int64_t want = (total_keys + 4 * threads - 1) / (4 * threads);
     chunk = std::max(kMinSplitKeys, (want + kBlockKeys - 1) / kBlockKeys * kBlockKeys);
   }
-  std::vector<WorkItem> items;
-  items.reserve(num_groups);
-  std::vector<int64_t> split_groups;  // groups whose items write partials
-  std::vector<int64_t> first_split;   // per split group: index of its first partial
-  int64_t num_partials = 0;
+  AttentionPlan plan;
+  plan.items.reserve(num_groups);
   for (int64_t g = 0; g < num_groups; ++g) {
-    if (keys[g] <= chunk && !invariant) {
-      items.push_back({g, 0, keys[g], -1});
+    const int64_t keys = problem.group_keys(g);
+    if (keys <= chunk && !invariant) {
+      plan.items.push_back({g, 0, keys, -1});
       continue;
     }
-    split_groups.push_back(g);
-    first_split.push_back(num_partials);
-    for (int64_t j = 0; j < keys[g]; j += chunk) {
-      items.push_back({g, j, std::min(keys[g], j + chunk), num_partials++});
+    plan.split_groups.push_back(g);
+    plan.first_split.push_back(plan.num_partials);
+    for (int64_t j = 0; j < keys; j += chunk) {
+      plan.items.push_back({g, j, std::min(keys, j + chunk), plan.num_partials++});
     }
+    plan.split_count.push_back(plan.num_partials - plan.first_split.back());
   }
   // Largest first: with dynamic scheduling that bounds the idle tail by the smallest items.
-  std::stable_sort(items.begin(), items.end(), [&](const WorkItem& a, const WorkItem& b) {
+  std::stable_sort(plan.items.begin(), plan.items.end(), [&](const WorkItem& a, const WorkItem& b) {
     return (a.j1 - a.j0) * problem.group_rows(a.group) >
            (b.j1 - b.j0) * problem.group_rows(b.group);
   });
+  return plan;
+}
 
-  const int64_t dv = dims.dv;
-  at::Tensor partial_out, partial_lse;
-  if (num_partials > 0) {
-    partial_out = at::empty({num_partials, kMaxRows, dv}, at::kFloat);
-    partial_lse = at::empty({num_partials, kMaxRows}, at::kFloat);
+// The split items' fp32 results: outputs [num_partials, kMaxRows, dv], LSEs [.., kMaxRows].
+struct Partials {
+  at::Tensor out, lse;
+  int64_t dv = 0;
+  Partials(int64_t num_partials, int64_t value_dim) : dv(value_dim) {
+    if (num_partials > 0) {
+      out = at::empty({num_partials, kMaxRows, dv}, at::kFloat);
+      lse = at::empty({num_partials, kMaxRows}, at::kFloat);
+    }
   }
-  float* p_out = num_partials > 0 ? partial_out.data_ptr<float>() : nullptr;
-  float* p_lse = num_partials > 0 ? partial_lse.data_ptr<float>() : nullptr;
+  float* out_row(int64_t split, int64_t row) const {
+    return out.data_ptr<float>() + (split * kMaxRows + row) * dv;
+  }
+  float* lse_row(int64_t split, int64_t row) const {
+    return lse.data_ptr<float>() + split * kMaxRows + row;
+  }
+};
 
-  const int64_t slots = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
+// Runs every item of the plan on the threads (dynamic schedule); whole groups write the final
+// outputs, split items their partials.
+template <typename Problem>
+void run_items(const Problem& problem, const CoreOps& core, const CoreDims& dims,
+               const AttentionPlan& plan, const Partials& partials, int64_t threads) {
+  const int64_t num_items = static_cast<int64_t>(plan.items.size());
+  const int64_t slots = std::min<int64_t>(threads, num_items);
   const size_t ws_bytes = align64(core.workspace_bytes(dims));
-
   std::atomic<int64_t> next{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
   at::parallel_for(0, slots, 1, [&](int64_t slot_begin, int64_t slot_end) {
     const void* q[kMaxRows];
     int64_t limits[kMaxRows];
@@ -130,7 +148,7 @@ inline void run_attention(const Problem& problem, const CoreOps& core, const Cor
         (reinterpret_cast<uintptr_t>(workspace.data()) + 63) & ~uintptr_t{63});
     for (int64_t slot = slot_begin; slot < slot_end; ++slot) {
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-        const WorkItem& item = items[i];
+        const WorkItem& item = plan.items[i];
         const int64_t rows = problem.group_rows(item.group);
         problem.rows(item.group, q, limits, out, lse);
         core.begin(ws, dims, rows, q, limits);
@@ -157,72 +175,91 @@ inline void run_attention(const Problem& problem, const CoreOps& core, const Cor
           core.end(ws, dims, out, nullptr, lse);
         } else {
           for (int64_t g = 0; g < rows; ++g) {
-            out_f32[g] = p_out + (item.split * kMaxRows + g) * dv;
-            lse[g] = p_lse + item.split * kMaxRows + g;
+            out_f32[g] = partials.out_row(item.split, g);
+            lse[g] = partials.lse_row(item.split, g);
           }
           core.end(ws, dims, nullptr, out_f32, lse);
         }
       }
     }
   });
-  if (num_partials == 0) {
-    return;
-  }
+}
 
-  // Merge the splits of each group: the same LSE arithmetic as merge_attn_states.
-  const int64_t elem = static_cast<int64_t>(c10::elementSize(out_dtype));
-  mlafx::parallel_chunks(0, static_cast<int64_t>(split_groups.size()), 1, [&](int64_t b, int64_t e) {
+// Merges each split group's partials into its outputs (lse_merge.h: merge_attn_states'
+// arithmetic over any number of parts; a part with an infinite LSE is empty).
+template <typename Out, typename Problem>
+void merge_splits_as(const Problem& problem, const AttentionPlan& plan, const Partials& partials) {
+  const int64_t dv = partials.dv;
+  const int64_t num_split = static_cast<int64_t>(plan.split_groups.size());
+  mlafx::parallel_chunks(0, num_split, 1, [&](int64_t b, int64_t e) {
     const void* q[kMaxRows];
     int64_t limits[kMaxRows];
     void* out[kMaxRows];
     float* lse[kMaxRows];
-    std::vector<float> acc(dv);
+    std::vector<const float*> parts;
+    std::vector<float> part_lse, weights;
     for (int64_t s = b; s < e; ++s) {
-      const int64_t group = split_groups[s];
-      const int64_t first = first_split[s];
-      const int64_t count = (keys[group] + chunk - 1) / chunk;
+      const int64_t group = plan.split_groups[s];
       const int64_t rows = problem.group_rows(group);
       problem.rows(group, q, limits, out, lse);
       for (int64_t g = 0; g < rows; ++g) {
-        float mx = kNegInf;
-        for (int64_t k = 0; k < count; ++k) {
-          const float x = p_lse[(first + k) * kMaxRows + g];
-          mx = x > mx ? x : mx;
-        }
-        const float shift = mx == kNegInf ? 0.f : mx;
-        float sum = 0.f;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t k = 0; k < count; ++k) {
-          const float w = std::exp(p_lse[(first + k) * kMaxRows + g] - shift);
-          if (w == 0.f) {
-            continue;  // an empty split (its output is 0 anyway)
-          }
-          sum += w;
-          const float* src = p_out + ((first + k) * kMaxRows + g) * dv;
-          for (int64_t i = 0; i < dv; ++i) {
-            acc[i] += w * src[i];
+        parts.clear();
+        part_lse.clear();
+        for (int64_t k = 0; k < plan.split_count[s]; ++k) {
+          const float x = *partials.lse_row(plan.first_split[s] + k, g);
+          if (!std::isinf(x)) {
+            parts.push_back(partials.out_row(plan.first_split[s] + k, g));
+            part_lse.push_back(x);
           }
         }
-        const bool empty = sum == 0.f;
-        *lse[g] = empty ? kNegInf : shift + std::log(sum);
-        const float inv = empty ? 0.f : 1.f / sum;
+        Out* dst = static_cast<Out*>(out[g]);
+        const int64_t n = static_cast<int64_t>(parts.size());
+        if (n == 0) {
+          std::fill_n(dst, dv, Out(0.f));
+          *lse[g] = kNegInf;
+          continue;
+        }
+        weights.resize(n);
+        *lse[g] = mlafx::lse_merge_weights(part_lse.data(), n, weights.data());
         for (int64_t i = 0; i < dv; ++i) {
-          const float x = acc[i] * inv;
-          char* dst = static_cast<char*>(out[g]) + i * elem;
-          switch (out_dtype) {
-            case at::kBFloat16:
-              *reinterpret_cast<c10::BFloat16*>(dst) = c10::BFloat16(x);
-              break;
-            case at::kHalf:
-              *reinterpret_cast<c10::Half*>(dst) = c10::Half(x);
-              break;
-            default:
-              *reinterpret_cast<float*>(dst) = x;
+          float acc = weights[0] * parts[0][i];
+          for (int64_t k = 1; k < n; ++k) {
+            acc += weights[k] * parts[k][i];
           }
+          dst[i] = static_cast<Out>(acc);
         }
       }
     }
   });
+}
+
+template <typename Problem>
+void merge_splits(const Problem& problem, const AttentionPlan& plan, const Partials& partials,
+                  at::ScalarType out_dtype) {
+  switch (out_dtype) {
+    case at::kBFloat16:
+      return merge_splits_as<c10::BFloat16>(problem, plan, partials);
+    case at::kHalf:
+      return merge_splits_as<c10::Half>(problem, plan, partials);
+    default:
+      return merge_splits_as<float>(problem, plan, partials);
+  }
+}
+
+// Plan, run, merge: the attention of every query group of `problem` through `core`.
+template <typename Problem>
+inline void run_attention(const Problem& problem, const CoreOps& core, const CoreDims& dims,
+                          at::ScalarType out_dtype) {
+  if (problem.num_groups() == 0) {
+    return;
+  }
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const AttentionPlan plan = plan_attention(problem, threads);
+  const Partials partials(plan.num_partials, dims.dv);
+  run_items(problem, core, dims, plan, partials, threads);
+  if (plan.num_partials > 0) {
+    merge_splits(problem, plan, partials, out_dtype);
+  }
 }
 
 }  // namespace mlafx::attn

@@ -31,11 +31,6 @@ using Header = mlafx::attn::F32Header;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <typename T>
-inline T* at_offset(void* ws, size_t offset) {
-  return reinterpret_cast<T*>(static_cast<char*>(ws) + offset);
-}
-
 // 2^k for integer-valued k in [-126, 127] (as floats): the exponent field.
 inline __m256 pow2i(__m256 k) {
   const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127));

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "attention.h"
+#include "workspace_layout.h"
 
 namespace mlafx::attn {
 namespace {
@@ -19,23 +20,18 @@ struct F32Layout {
   int64_t wq, dvp;  // query/key width; value width padded to 16 lanes
   size_t hdr, qf, lim, kf, s, vf, o, m, l, alpha, total;
   explicit F32Layout(const CoreDims& d) : wq(d.wa + d.wb), dvp((d.dv + 15) / 16 * 16) {
-    size_t at = 0;
-    auto take = [&](size_t bytes) {
-      const size_t here = at;
-      at += (bytes + 63) & ~size_t{63};
-      return here;
-    };
-    hdr = take(64);
-    qf = take(4 * static_cast<size_t>(wq) * kMaxRows);
-    lim = take(4 * kMaxRows);
-    kf = take(4 * kBlockKeys * static_cast<size_t>(wq));
-    s = take(4 * kBlockKeys * kMaxRows);
-    vf = take(4 * kBlockKeys * static_cast<size_t>(dvp));
-    o = take(4 * kMaxRows * static_cast<size_t>(dvp));
-    m = take(4 * kMaxRows);
-    l = take(4 * kMaxRows);
-    alpha = take(4 * kMaxRows);
-    total = at;
+    WorkspaceCarver carve;
+    hdr = carve.take(64);
+    qf = carve.take(4 * static_cast<size_t>(wq) * kMaxRows);
+    lim = carve.take(4 * kMaxRows);
+    kf = carve.take(4 * kBlockKeys * static_cast<size_t>(wq));
+    s = carve.take(4 * kBlockKeys * kMaxRows);
+    vf = carve.take(4 * kBlockKeys * static_cast<size_t>(dvp));
+    o = carve.take(4 * kMaxRows * static_cast<size_t>(dvp));
+    m = carve.take(4 * kMaxRows);
+    l = carve.take(4 * kMaxRows);
+    alpha = carve.take(4 * kMaxRows);
+    total = carve.total();
   }
 };
 

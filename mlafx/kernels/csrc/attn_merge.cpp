@@ -24,6 +24,7 @@
 
 #include "attn_merge.h"
 #include "cpu_features.h"
+#include "lse_merge.h"
 #include "parallel_chunks.h"
 
 namespace {
@@ -58,14 +59,12 @@ void merge_rows_portable(const MergeArgs& a, int64_t t0, int64_t t1) {
         std::copy_n(pr, d, o);
         *lse = p;
       } else {
-        const float m = p > s ? p : s;  // NaN in either: m or the weights become NaN
-        const float ep = std::exp(p - m), es = std::exp(s - m);
-        const float sum = ep + es;
-        const float wp = ep / sum, ws = es / sum;
+        const float lses[2] = {p, s};
+        float w[2];  // NaN in either LSE: the weights and the LSE become NaN
+        *lse = mlafx::lse_merge_weights(lses, 2, w);
         for (int64_t i = 0; i < d; ++i) {
-          o[i] = static_cast<T>(wp * static_cast<float>(pr[i]) + ws * static_cast<float>(sr[i]));
+          o[i] = static_cast<T>(w[0] * static_cast<float>(pr[i]) + w[1] * static_cast<float>(sr[i]));
         }
-        *lse = m + std::log(sum);
       }
     }
   }

@@ -166,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> mla_attention_sparse(
   }
   const CoreDims dims{W, 0, kv_lora_rank, static_cast<float>(scale)};
   mlafx::attn::run_attention(p, mlafx::attn::select_core(q.scalar_type(), dims), dims,
-                             q.scalar_type(), /*allow_splits=*/true);
+                             q.scalar_type());
   return {out, lse};
 }
 

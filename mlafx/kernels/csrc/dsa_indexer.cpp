@@ -36,6 +36,7 @@
 #include "op_checks.h"
 #include "parallel_chunks.h"
 #include "topk_select.h"
+#include "workspace_layout.h"
 
 namespace {
 
@@ -52,7 +53,8 @@ using mlafx::op_checks::check_offsets;
 using mlafx::op_checks::check_paged_table;
 using mlafx::op_checks::is_supported_float;
 
-inline size_t align64(size_t n) { return (n + 63) & ~size_t{63}; }
+using mlafx::align64;
+using mlafx::WorkspaceCarver;
 
 // ---- Portable core: the fp32 reference of the scores, every dtype --------------------------
 //
@@ -64,18 +66,13 @@ struct PortableLayout {
   size_t hdr, qf, w, kt, acc, total;
   explicit PortableLayout(const IndexerDims& d) {
     const size_t dim = static_cast<size_t>(d.dim);
-    size_t at = 0;
-    auto take = [&](size_t bytes) {
-      const size_t here = at;
-      at += align64(bytes);
-      return here;
-    };
-    hdr = take(sizeof(int64_t));
-    qf = take(sizeof(float) * kIndexerRows * dim);
-    w = take(sizeof(float) * kIndexerRows);
-    kt = take(sizeof(float) * dim * kIndexerChunk);
-    acc = take(sizeof(float) * 2 * kIndexerChunk);
-    total = at;
+    WorkspaceCarver carve;
+    hdr = carve.take(sizeof(int64_t));
+    qf = carve.take(sizeof(float) * kIndexerRows * dim);
+    w = carve.take(sizeof(float) * kIndexerRows);
+    kt = carve.take(sizeof(float) * dim * kIndexerChunk);
+    acc = carve.take(sizeof(float) * 2 * kIndexerChunk);
+    total = carve.total();
   }
 };
 

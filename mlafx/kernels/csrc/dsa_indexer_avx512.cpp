@@ -41,17 +41,12 @@ struct Layout {
     // each query's lanes padded to 16.
     const size_t rows = static_cast<size_t>(std::max<int64_t>(1, kIndexerRows / d.heads) *
                                             query_lanes(d));
-    size_t at = 0;
-    auto take = [&](size_t bytes) {
-      const size_t here = at;
-      at += align64(bytes);
-      return here;
-    };
-    hdr = take(64);
-    qp = take(4 * static_cast<size_t>(pairs) * rows);
-    qtail = take(4 * rows);
-    w = take(4 * rows);
-    total = at;
+    WorkspaceCarver carve;
+    hdr = carve.take(64);
+    qp = carve.take(4 * static_cast<size_t>(pairs) * rows);
+    qtail = carve.take(4 * rows);
+    w = carve.take(4 * rows);
+    total = carve.total();
   }
 };
 
