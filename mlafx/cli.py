@@ -503,6 +503,7 @@ BENCHMARKS = {
     "load-weights": "load_weights.py",
     "quant": "quant.py",
     "busy-machine": "busy_machine.py",
+    "attention-path": "attention_path.py",
 }
 
 

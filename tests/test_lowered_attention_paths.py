@@ -18,7 +18,7 @@ import torch
 
 from mlafx.compile.compiled_step import compile_step
 from mlafx.graph.capture import capture_step, sample_step
-from mlafx.models.attention_path import AttentionPath, absorb_threshold
+from mlafx.models.attention_path import AttentionPath, PathCosts, split_threshold
 from mlafx.models.step import SequenceSpan, StepInputs, build_step_inputs
 from mlafx.passes.pipeline import lower_step_graph
 from mlafx.passes.verify import path_coverage, random_caches
@@ -30,18 +30,18 @@ NUM_BLOCKS = 1 + 128
 SPLIT = AttentionPath.SPLIT
 
 # (context rows, new tokens[, fixed path]) per sequence, and the sub-batch sizes the host
-# must give (absorbed sequences, split sequences, split sequences with context). The tiny
-# model's threshold is 32 (Lkv 32, R 8, P = V = 16, equal efficiencies).
+# must give (absorbed sequences, split sequences, split sequences with context). At equal
+# costs per MAC the tiny model's rule splits above 63 new tokens (Lkv 32, R 8, P = V = 16).
 STEPS = {
     "mixed": (
-        [(20, 1), (60, 3), (0, 40), (24, 36), (7, 1)],  # decode, suffix, fresh, chunk, decode
+        [(20, 1), (60, 3), (0, 40), (24, 66), (7, 1)],  # decode, suffix, fresh, chunk, decode
         (3, 2, 1),
     ),
     "only decodes": ([(9, 1), (33, 1)], (2, 0, 0)),
     "one decode": ([(13, 1)], (1, 0, 0)),
     "only fresh prefills": ([(0, 1), (0, 25)], (0, 2, 0)),
-    "one chunk with context": ([(5, 30)], (0, 1, 1)),
-    "suffix and a short chunk": ([(40, 5), (3, 2), (2, 12)], (2, 1, 1)),
+    "one chunk with context": ([(5, 70)], (0, 1, 1)),
+    "suffix and a short chunk": ([(40, 5), (3, 2), (2, 64)], (2, 1, 1)),
     "one-token prompt": ([(0, 1)], (0, 1, 0)),
     "decodes down the split path": ([(6, 1, SPLIT), (17, 1)], (1, 1, 1)),
 }
@@ -76,7 +76,7 @@ def step_inputs(
         blocks = [free.pop() for _ in range(-(-(context + new) // BLOCK_SIZE))]
         ids = [rng.randrange(2, 256) for _ in range(new)]
         spans.append(SequenceSpan(ids, context, context + new, blocks, path=next(iter(path), None)))
-    return build_step_inputs(spans, BLOCK_SIZE, absorb_threshold=threshold, key_rows=key_rows)
+    return build_step_inputs(spans, BLOCK_SIZE, split_threshold=threshold, key_rows=key_rows)
 
 
 def run(step, inputs: StepInputs, caches: list[torch.Tensor]) -> torch.Tensor:
@@ -87,8 +87,8 @@ def run(step, inputs: StepInputs, caches: list[torch.Tensor]) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(STEPS))
 def test_both_paths_match_the_reference(model, compiled, lowered_graph, name):
     shares, (absorbed, split, with_context) = STEPS[name]
-    threshold = absorb_threshold(model.config, efficiency_ratio=1.0)
-    assert threshold == 32
+    threshold = split_threshold(model.config, PathCosts(1.0, 1.0, 1.0))
+    assert threshold == 63
     inputs = step_inputs(shares, threshold, seed=len(name))
     meta = inputs.meta
     assert (len(meta.absorbed_kv_lens), len(meta.split_cu_seqlens) - 1, len(meta.context_lens)) == (
@@ -116,7 +116,7 @@ def test_both_paths_match_the_reference(model, compiled, lowered_graph, name):
 def test_every_kind_of_row_was_exercised():
     """The steps above cover each path with and without context, and hold 0, 1 and many rows
     in each sub-batch (absorbed, split, context half)."""
-    threshold = 32.0
+    threshold = 63.0
     total: dict[str, int] = {}
     sizes: list[tuple[int, int, int]] = []
     for shares, _ in STEPS.values():

@@ -31,7 +31,7 @@ def long_context_step(key_rows: bool) -> StepInputs:
         num_blocks = -(-(CONTEXT + new) // BLOCK_SIZE)
         blocks = list(range(1 + b * num_blocks, 1 + (b + 1) * num_blocks))
         spans.append(SequenceSpan([5] * new, CONTEXT, CONTEXT + new, blocks))
-    return build_step_inputs(spans, BLOCK_SIZE, absorb_threshold=10.0, key_rows=key_rows)
+    return build_step_inputs(spans, BLOCK_SIZE, split_threshold=10.0, key_rows=key_rows)
 
 
 def fields(inputs: StepInputs) -> dict[str, torch.Tensor]:

@@ -21,8 +21,9 @@ import torch
 
 from mlafx.config import ModelConfig
 from mlafx.kernels import batch_invariant_mode
-from mlafx.models.attention_path import absorb_threshold
+from mlafx.models.attention_path import split_threshold
 from mlafx.models.step import SequenceSpan, StepFn, build_step_inputs
+from mlafx.runtime.attention_costs import attention_path_costs
 
 Run = Callable[[], object]
 
@@ -54,6 +55,10 @@ class MlafxStep:
         for cache in self.caches:
             cache.normal_(generator=gen)
 
+    def _split_threshold(self) -> float:
+        """The engine's cost rule (``EngineCore``), with this host's measured costs."""
+        return split_threshold(self.config, attention_path_costs(self.config, self.caches[0].dtype))
+
     def _run(self, spans: list[SequenceSpan]) -> Run:
         need = 1 + sum(len(s.blocks) for s in spans)
         if need > self.caches[0].shape[0]:
@@ -62,7 +67,7 @@ class MlafxStep:
         inputs = build_step_inputs(
             spans,
             self.block_size,
-            None if self.batch_invariant else absorb_threshold(self.config),
+            None if self.batch_invariant else self._split_threshold(),
             key_rows=self.step_fn.reads_key_rows,
         )
         args = (inputs.input_ids, inputs.positions, self.caches, inputs.meta)

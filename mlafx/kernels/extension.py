@@ -70,6 +70,12 @@ def verify_build() -> None:
             raise ExtensionLoadError(message + REBUILD_HINT)
 
 
+def build_sha256() -> str:
+    """The sha256 of the C++ sources the loaded ``mlafx._C`` was built from: whatever is
+    measured of the kernels (``mlafx.runtime.attention_costs``) is keyed by it."""
+    return str(_build_info().CSRC_SHA256)
+
+
 def library_path() -> Path:
     """Path of the built ``mlafx._C`` shared library (for ``torch.ops.load_library``)."""
     spec = importlib.util.find_spec(EXTENSION_MODULE)

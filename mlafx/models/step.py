@@ -153,14 +153,14 @@ def key_slots_and_mask(
 def build_step_inputs(
     spans: list[SequenceSpan],
     block_size: int,
-    absorb_threshold: float | None = None,
+    split_threshold: float | None = None,
     *,
     key_rows: bool = True,
 ) -> StepInputs:
     """The host side of the step ABI: index tensors for a batch of sequences.
 
     A span without a fixed ``path`` takes ``choose_path(start, end - start,
-    absorb_threshold)``; without a threshold it is absorbed (one exact pass for any row,
+    split_threshold)``; without a threshold it is absorbed (one exact pass for any row,
     the choice for callers that do not tune the compiled step).
 
     ``key_rows``: build ``key_seq_ids``/``key_positions``, one row per cached token of every
@@ -181,7 +181,7 @@ def build_step_inputs(
         key_seq_ids, key_positions = _sequence_ids(ends), _concat_ranges([0] * len(spans), ends)
     else:  # K = 0: the captured graphs take K as a dynamic extent and lowered ones ignore it
         key_seq_ids, key_positions = (torch.empty(0, dtype=torch.int64) for _ in range(2))
-    paths = [_path_of(span, absorb_threshold) for span in spans]
+    paths = [_path_of(span, split_threshold) for span in spans]
     meta = StepMetadata(
         slot_mapping=blocks * block_size + pos % block_size,
         query_seq_ids=seq_ids,
@@ -224,12 +224,12 @@ def check_key_rows(meta: StepMetadata) -> None:
         )
 
 
-def _path_of(span: SequenceSpan, absorb_threshold: float | None) -> AttentionPath:
+def _path_of(span: SequenceSpan, split_threshold: float | None) -> AttentionPath:
     if span.path is not None:
         return span.path
-    if absorb_threshold is None:
+    if split_threshold is None:
         return AttentionPath.ABSORBED
-    return choose_path(span.start, span.end - span.start, absorb_threshold)
+    return choose_path(span.start, span.end - span.start, split_threshold)
 
 
 def _starts(lengths: list[int]) -> torch.Tensor:

@@ -15,9 +15,10 @@ import torch
 
 from mlafx.config import ModelConfig
 from mlafx.kernels import batch_invariant_mode
-from mlafx.models.attention_path import absorb_threshold
+from mlafx.models.attention_path import split_threshold
 from mlafx.models.step import StepFn
 from mlafx.parallel import TensorParallelError
+from mlafx.runtime.attention_costs import attention_path_costs
 from mlafx.runtime.block_manager import BlockManager
 from mlafx.runtime.kv_connector.base import KVConnector
 from mlafx.runtime.kv_transfer import KVTransfer
@@ -60,7 +61,11 @@ class EngineCore:
         self.config = config
         self.batch_invariant = batch_invariant
         # None: no cost rule, every span absorbed (models/step.py)
-        self.absorb_threshold = None if batch_invariant else absorb_threshold(config)
+        self.split_threshold = (
+            None
+            if batch_invariant
+            else split_threshold(config, attention_path_costs(config, dtype))
+        )
         self.step_fn = step_fn
         # only a step that reads them gets the key rows (one per cached token of the batch)
         self.key_rows = step_fn.reads_key_rows
@@ -157,7 +162,7 @@ class EngineCore:
 
     def _forward(self, batch: list[ScheduledSequence]) -> torch.Tensor:
         inputs = step_inputs_for(
-            batch, self.block_size, self.absorb_threshold, key_rows=self.key_rows
+            batch, self.block_size, self.split_threshold, key_rows=self.key_rows
         )
         # the kernels' mode is process-wide: set for this step only (another engine may differ)
         with torch.inference_mode(), batch_invariant_mode(self.batch_invariant):

@@ -9,12 +9,13 @@ from mlafx.runtime.scheduler import ScheduledSequence
 def step_inputs_for(
     batch: list[ScheduledSequence],
     block_size: int,
-    absorb_threshold: float | None = None,
+    split_threshold: float | None = None,
     *,
     key_rows: bool = True,
 ) -> StepInputs:
-    """``absorb_threshold``: the attention-path cost rule's (``models/attention_path.py``);
-    ``key_rows``: the step reads them (``StepFn.reads_key_rows``; see ``build_step_inputs``)."""
+    """``split_threshold``: the attention-path cost rule's (``models/attention_path.py``):
+    spans with more new tokens take the split; ``key_rows``: the step reads them
+    (``StepFn.reads_key_rows``; see ``build_step_inputs``)."""
     spans = [
         SequenceSpan(
             s.request.token_ids(s.start, s.end),
@@ -26,4 +27,4 @@ def step_inputs_for(
         )
         for s in batch
     ]
-    return build_step_inputs(spans, block_size, absorb_threshold, key_rows=key_rows)
+    return build_step_inputs(spans, block_size, split_threshold, key_rows=key_rows)
