@@ -547,6 +547,50 @@ def _mlp_layer_types(cfg: dict[str, Any], num_layers: int, moe: bool) -> tuple[s
 
 
 def _parse(cfg: dict[str, Any]) -> ModelConfig:
+    model_type, family, cfg = _family_keys(cfg)
+    dims = _dims(cfg)
+    routing = _routing(cfg, family)
+    eps = float(cfg.get("rms_norm_eps", 1e-6))
+    if eps <= 0:
+        raise ConfigError(f"config field 'rms_norm_eps' must be positive, got {eps}")
+    theta, yarn = _rope(cfg)
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    for tok in eos_ids:
+        if not 0 <= tok < dims["vocab_size"]:
+            raise ConfigError(f"config field 'eos_token_id'={tok} is outside the vocabulary")
+    bos = cfg.get("bos_token_id")
+    moe = routing["n_routed_experts"] > 0
+    q_lora_rank = None if cfg.get("q_lora_rank") is None else _positive_int(cfg, "q_lora_rank")
+    return ModelConfig(
+        model_type=model_type,
+        family=family,
+        q_lora_rank=q_lora_rank,
+        mlp_layer_types=_mlp_layer_types(cfg, dims["num_hidden_layers"], moe),
+        rms_norm_eps=eps,
+        rope_theta=theta,
+        rope_scaling=yarn,
+        # DeepSeek-V2 is always interleaved; V3/GLM configs may switch to NeoX halves.
+        rope_interleave=_FIXED_ROPE_INTERLEAVE.get(
+            model_type, bool(cfg.get("rope_interleave", True))
+        ),
+        tie_word_embeddings=bool(
+            cfg.get("tie_word_embeddings", _TIE_DEFAULTS.get(model_type, False))
+        ),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        attention_blocks=2 if family == "longcat_flash" else 1,
+        **routing,
+        **_scalings(cfg, family, dims),
+        **_sparse_fields(cfg, model_type, dims),
+        **cast(dict[str, Any], dims),
+    )
+
+
+def _family_keys(cfg: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """The model type, its family, and ``cfg`` with the family's keys renamed to DeepSeek's;
+    a clear ``ConfigError`` for a model type mlafx does not serve."""
     model_type = cfg.get("model_type")
     sparse = model_type in _SPARSE_MODEL_TYPES or cfg.get("index_topk") is not None
     if sparse and model_type not in UNSUPPORTED_MLA_MODEL_TYPES | SPARSE_MODEL_TYPES.keys():
@@ -576,7 +620,12 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
             "v_head_dim": _positive_int(cfg, "hidden_size")
             // _positive_int(cfg, "num_attention_heads"),
         }
+    return model_type, family, cfg
 
+
+def _dims(cfg: dict[str, Any]) -> dict[str, int]:
+    """The model's widths and counts (positive integers), and the attention and MLP options
+    MLA constrains."""
     dims = {
         k: _positive_int(cfg, k)
         for k in (
@@ -596,9 +645,6 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
         raise ConfigError(
             f"config field 'qk_rope_head_dim' must be even, got {dims['qk_rope_head_dim']}"
         )
-    q_lora_rank = cfg.get("q_lora_rank")
-    if q_lora_rank is not None:
-        q_lora_rank = _positive_int(cfg, "q_lora_rank")
     kv_heads = cfg.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != dims["num_attention_heads"]:
         raise ConfigError(
@@ -610,7 +656,11 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
         raise ConfigError(f"config field 'hidden_act'={act!r} is not supported (silu only)")
     if cfg.get("mlp_bias"):
         raise ConfigError("config field 'mlp_bias'=true is not supported")
+    return dims
 
+
+def _routing(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The experts and the router's fields (zero where the model has no MoE)."""
     n_routed = int(cfg.get("n_routed_experts") or 0)
     moe = n_routed > 0
     if n_routed < 0:
@@ -632,7 +682,6 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
             raise ConfigError("config field 'moe_intermediate_size' must be a positive integer")
         if n_shared < 0:
             raise ConfigError("config field 'n_shared_experts' must be >= 0")
-
     default_scoring, default_method = _ROUTER_DEFAULTS[family]
     scoring = cfg.get("scoring_func") or default_scoring
     method = cfg.get("topk_method") or default_method
@@ -645,66 +694,37 @@ def _parse(cfg: dict[str, Any]) -> ModelConfig:
     n_group = int(cfg.get("n_group") or 1)
     topk_group = int(cfg.get("topk_group") or n_group)
     if moe:
-        if n_group <= 0 or choices % n_group:
-            raise ConfigError(
-                f"config field 'n_group'={n_group} must divide n_routed_experts={choices}"
-            )
-        if not 1 <= topk_group <= n_group:
-            raise ConfigError(f"config field 'topk_group'={topk_group} must be in 1..n_group")
-        if method == "noaux_tc" and choices // n_group < 2:
-            raise ConfigError("topk_method noaux_tc needs at least 2 experts per group (n_group)")
-        if top_k > (choices // n_group) * topk_group:
-            raise ConfigError(
-                f"config field 'num_experts_per_tok'={top_k} exceeds the experts in the "
-                f"topk_group={topk_group} selected groups"
-            )
+        _check_groups(choices, n_group, topk_group, top_k, method)
+    return {
+        "moe_intermediate_size": moe_inter,
+        "n_routed_experts": n_routed,
+        "num_experts_per_tok": top_k,
+        "n_shared_experts": n_shared,
+        "n_zero_experts": n_zero,
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+        "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+        "scoring_func": cast(ScoringFunc, scoring),
+        "topk_method": cast(TopkMethod, method),
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "router_bias": bool(cfg.get("router_bias", False)) and family == "longcat_flash",
+    }
 
-    eps = float(cfg.get("rms_norm_eps", 1e-6))
-    if eps <= 0:
-        raise ConfigError(f"config field 'rms_norm_eps' must be positive, got {eps}")
-    theta, yarn = _rope(cfg)
-    eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    for tok in eos_ids:
-        if not 0 <= tok < dims["vocab_size"]:
-            raise ConfigError(f"config field 'eos_token_id'={tok} is outside the vocabulary")
-    bos = cfg.get("bos_token_id")
 
-    return ModelConfig(
-        model_type=model_type,
-        family=family,
-        q_lora_rank=q_lora_rank,
-        moe_intermediate_size=moe_inter,
-        n_routed_experts=n_routed,
-        num_experts_per_tok=top_k,
-        n_shared_experts=n_shared,
-        mlp_layer_types=_mlp_layer_types(cfg, dims["num_hidden_layers"], moe),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        scoring_func=cast(ScoringFunc, scoring),
-        topk_method=cast(TopkMethod, method),
-        n_group=n_group,
-        topk_group=topk_group,
-        rms_norm_eps=eps,
-        rope_theta=theta,
-        rope_scaling=yarn,
-        # DeepSeek-V2 is always interleaved; V3/GLM configs may switch to NeoX halves.
-        rope_interleave=_FIXED_ROPE_INTERLEAVE.get(
-            model_type, bool(cfg.get("rope_interleave", True))
-        ),
-        tie_word_embeddings=bool(
-            cfg.get("tie_word_embeddings", _TIE_DEFAULTS.get(model_type, False))
-        ),
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=eos_ids,
-        attention_blocks=2 if family == "longcat_flash" else 1,
-        n_zero_experts=n_zero,
-        router_bias=bool(cfg.get("router_bias", False)) and family == "longcat_flash",
-        **_scalings(cfg, family, dims),
-        **_sparse_fields(cfg, model_type, dims),
-        **cast(dict[str, Any], dims),
-    )
+def _check_groups(choices: int, n_group: int, topk_group: int, top_k: int, method: str) -> None:
+    if n_group <= 0 or choices % n_group:
+        raise ConfigError(
+            f"config field 'n_group'={n_group} must divide n_routed_experts={choices}"
+        )
+    if not 1 <= topk_group <= n_group:
+        raise ConfigError(f"config field 'topk_group'={topk_group} must be in 1..n_group")
+    if method == "noaux_tc" and choices // n_group < 2:
+        raise ConfigError("topk_method noaux_tc needs at least 2 experts per group (n_group)")
+    if top_k > (choices // n_group) * topk_group:
+        raise ConfigError(
+            f"config field 'num_experts_per_tok'={top_k} exceeds the experts in the "
+            f"topk_group={topk_group} selected groups"
+        )
 
 
 def _sparse_fields(cfg: dict[str, Any], model_type: str, dims: dict[str, int]) -> dict[str, Any]:
