@@ -68,6 +68,8 @@ enum Mode : int { kWeighted = 0, kPrefixOnly = 1, kSuffixOnly = 2, kNone = 3 };
 // token (H * D elements) and defeat the hardware prefetcher.
 constexpr int64_t kHeadBlock = 64;
 
+// Kept as one function (~85 lines): the weight pass and the row pass share the block's weight
+// and mode arrays on the stack, and the row loop's four modes are one switch in its body.
 template <Elem E>
 void merge_typed(const MergeArgs& a, int64_t t0, int64_t t1) {
   using elem_t = std::conditional_t<E == Elem::kFloat32, float, uint16_t>;

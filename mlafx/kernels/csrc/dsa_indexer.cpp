@@ -223,9 +223,17 @@ struct Scratch {
   }
 };
 
-at::Tensor run_indexer(const Indexer& ix, const IndexerOps& core, const std::vector<Group>& groups,
-                       int64_t max_queries, at::Tensor out) {
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+// The work of one call: items over the query groups, a group split along its positions when
+// there are too few groups for the threads (as the attention driver's plan_attention).
+struct IndexerPlan {
+  std::vector<Item> items;            // largest first
+  std::vector<int64_t> split_groups;  // groups whose items write partial selections
+  std::vector<int64_t> first_split;   // per split group: index of its first partial
+  std::vector<int64_t> split_count;   // per split group: its number of partials
+  int64_t num_partials = 0;
+};
+
+IndexerPlan plan_indexer(const std::vector<Group>& groups, int64_t threads) {
   const int64_t num_groups = static_cast<int64_t>(groups.size());
   int64_t total = 0;
   for (const Group& g : groups) {
@@ -237,113 +245,136 @@ at::Tensor run_indexer(const Indexer& ix, const IndexerOps& core, const std::vec
     const int64_t rounded = (want + kIndexerChunk - 1) / kIndexerChunk * kIndexerChunk;
     chunk = std::max(kMinSplitPositions, rounded);
   }
-  std::vector<Item> items;
-  std::vector<int64_t> split_groups, first_split;
-  int64_t num_partials = 0;
+  IndexerPlan plan;
   for (int64_t g = 0; g < num_groups; ++g) {
     if (groups[g].keys <= chunk) {
-      items.push_back({g, 0, groups[g].keys, -1});
+      plan.items.push_back({g, 0, groups[g].keys, -1});
       continue;
     }
-    split_groups.push_back(g);
-    first_split.push_back(num_partials);
+    plan.split_groups.push_back(g);
+    plan.first_split.push_back(plan.num_partials);
     for (int64_t j = 0; j < groups[g].keys; j += chunk) {
-      items.push_back({g, j, std::min(groups[g].keys, j + chunk), num_partials++});
+      plan.items.push_back({g, j, std::min(groups[g].keys, j + chunk), plan.num_partials++});
     }
+    plan.split_count.push_back(plan.num_partials - plan.first_split.back());
   }
   // Largest first: with dynamic scheduling that bounds the idle tail by the smallest items.
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+  std::stable_sort(plan.items.begin(), plan.items.end(), [&](const Item& a, const Item& b) {
     return (a.j1 - a.j0) * groups[a.group].nt > (b.j1 - b.j0) * groups[b.group].nt;
   });
+  return plan;
+}
 
-  const int64_t k = ix.topk;
-  // Partial candidate lists: [num_partials][max_queries][k] plus their lengths.
-  std::vector<Candidate> partial(static_cast<size_t>(num_partials * max_queries * k));
-  std::vector<int64_t> partial_len(static_cast<size_t>(num_partials * max_queries), 0);
-  const int64_t capacity = 2 * k;
-  const size_t core_bytes = align64(core.workspace_bytes(ix.dims));
+// The split items' candidate lists: [num_partials][max_queries][k] plus their lengths.
+struct PartialSelections {
+  int64_t max_queries, k;
+  std::vector<Candidate> cand;
+  std::vector<int64_t> len;
+  PartialSelections(int64_t num_partials, int64_t queries, int64_t topk)
+      : max_queries(queries),
+        k(topk),
+        cand(static_cast<size_t>(num_partials * queries * topk)),
+        len(static_cast<size_t>(num_partials * queries), 0) {}
+  int64_t slot(int64_t split, int64_t query) const { return split * max_queries + query; }
+};
 
-  mlafx::parallel_chunks(0, static_cast<int64_t>(items.size()), 1, [&](int64_t b, int64_t e) {
-    thread_local Scratch scratch;
-    scratch.fit(core_bytes, max_queries, capacity);
-    const void* q_rows[kIndexerRows];
-    const float* w_rows[kIndexerRows];
-    int64_t limit[kIndexerRows];
-    const void* keys[kIndexerChunk];
-    for (int64_t it = b; it < e; ++it) {
-      const Item& item = items[it];
-      const Group& g = groups[item.group];
-      std::vector<RunningTopK> tops;
-      tops.reserve(g.nt);
-      for (int64_t i = 0; i < g.nt; ++i) {
-        const int64_t t = g.t0 + i;
-        q_rows[i] = ix.q + t * ix.q_st;
-        w_rows[i] = ix.w + t * ix.w_st;
-        limit[i] = ix.visible(g.seq, t);
-        tops.emplace_back(scratch.cand + i * capacity, capacity, k);
-      }
-      core.begin(scratch.core, ix.dims, g.nt, q_rows, ix.q_sh, w_rows, ix.w_sh);
-      for (int64_t j = item.j0; j < item.j1; j += kIndexerChunk) {
-        const int64_t n = std::min(kIndexerChunk, item.j1 - j);
-        for (int64_t c = 0; c < n; ++c) {
-          keys[c] = ix.row(g.seq, j + c);
-        }
-        core.score(scratch.core, ix.dims, n, keys, scratch.scores);
-        for (int64_t i = 0; i < g.nt; ++i) {
-          const float* s = scratch.scores + i * kIndexerChunk;
-          const int64_t m = std::min(n, limit[i] - j);
-          for (int64_t c = 0; c < m; ++c) {
-            tops[i].offer(s[c], static_cast<int32_t>(j + c));
-          }
-        }
-      }
-      for (int64_t i = 0; i < g.nt; ++i) {
-        Candidate* cand = scratch.cand + i * capacity;
-        const int64_t count = tops[i].finish();
-        if (item.split < 0) {
-          mlafx::dsa::write_selection(cand, count, k, ix.out + (g.t0 + i) * ix.out_st,
-                                      ix.out_sk);
-        } else {
-          const int64_t slot = item.split * max_queries + i;
-          std::copy_n(cand, count, partial.data() + slot * k);
-          partial_len[slot] = count;
-        }
+// One item: its queries' running top-k over its positions, written out (whole group) or kept
+// as partial selections (split item).
+void score_item(const Indexer& ix, const IndexerOps& core, const Group& g, const Item& item,
+                Scratch& scratch, PartialSelections& partials) {
+  const void* q_rows[kIndexerRows];
+  const float* w_rows[kIndexerRows];
+  int64_t limit[kIndexerRows];
+  const void* keys[kIndexerChunk];
+  const int64_t k = ix.topk, capacity = 2 * k;
+  std::vector<RunningTopK> tops;
+  tops.reserve(g.nt);
+  for (int64_t i = 0; i < g.nt; ++i) {
+    const int64_t t = g.t0 + i;
+    q_rows[i] = ix.q + t * ix.q_st;
+    w_rows[i] = ix.w + t * ix.w_st;
+    limit[i] = ix.visible(g.seq, t);
+    tops.emplace_back(scratch.cand + i * capacity, capacity, k);
+  }
+  core.begin(scratch.core, ix.dims, g.nt, q_rows, ix.q_sh, w_rows, ix.w_sh);
+  for (int64_t j = item.j0; j < item.j1; j += kIndexerChunk) {
+    const int64_t n = std::min(kIndexerChunk, item.j1 - j);
+    for (int64_t c = 0; c < n; ++c) {
+      keys[c] = ix.row(g.seq, j + c);
+    }
+    core.score(scratch.core, ix.dims, n, keys, scratch.scores);
+    for (int64_t i = 0; i < g.nt; ++i) {
+      const float* s = scratch.scores + i * kIndexerChunk;
+      const int64_t m = std::min(n, limit[i] - j);
+      for (int64_t c = 0; c < m; ++c) {
+        tops[i].offer(s[c], static_cast<int32_t>(j + c));
       }
     }
-  });
+  }
+  for (int64_t i = 0; i < g.nt; ++i) {
+    Candidate* cand = scratch.cand + i * capacity;
+    const int64_t count = tops[i].finish();
+    if (item.split < 0) {
+      mlafx::dsa::write_selection(cand, count, k, ix.out + (g.t0 + i) * ix.out_st, ix.out_sk);
+    } else {
+      const int64_t slot = partials.slot(item.split, i);
+      std::copy_n(cand, count, partials.cand.data() + slot * k);
+      partials.len[slot] = count;
+    }
+  }
+}
 
-  // Merge the pieces of each split group, query by query.
-  const int64_t num_split = static_cast<int64_t>(split_groups.size());
+// Merges the pieces of each split group, query by query.
+void merge_selections(const Indexer& ix, const std::vector<Group>& groups,
+                      const IndexerPlan& plan, const PartialSelections& partials) {
+  const int64_t num_split = static_cast<int64_t>(plan.split_groups.size());
+  const int64_t max_queries = partials.max_queries, k = partials.k;
   mlafx::parallel_chunks(0, num_split * max_queries, 1, [&](int64_t b, int64_t e) {
     std::vector<Candidate> merged;
     for (int64_t x = b; x < e; ++x) {
       const int64_t s = x / max_queries, i = x % max_queries;
-      const Group& g = groups[split_groups[s]];
+      const Group& g = groups[plan.split_groups[s]];
       if (i >= g.nt) {
         continue;
       }
-      const int64_t pieces = (g.keys + chunk - 1) / chunk;
       merged.clear();
-      for (int64_t p = 0; p < pieces; ++p) {
-        const int64_t slot = (first_split[s] + p) * max_queries + i;
-        merged.insert(merged.end(), partial.begin() + slot * k,
-                      partial.begin() + slot * k + partial_len[slot]);
+      for (int64_t p = 0; p < plan.split_count[s]; ++p) {
+        const int64_t slot = partials.slot(plan.first_split[s] + p, i);
+        const auto first = partials.cand.begin() + slot * k;
+        merged.insert(merged.end(), first, first + partials.len[slot]);
       }
       mlafx::dsa::write_selection(merged.data(), static_cast<int64_t>(merged.size()), k,
                                   ix.out + (g.t0 + i) * ix.out_st, ix.out_sk);
     }
   });
+}
+
+// Plan, score, merge: the selection of every query of `groups` through `core`.
+at::Tensor run_indexer(const Indexer& ix, const IndexerOps& core, const std::vector<Group>& groups,
+                       int64_t max_queries, at::Tensor out) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const IndexerPlan plan = plan_indexer(groups, threads);
+  PartialSelections partials(plan.num_partials, max_queries, ix.topk);
+  const size_t core_bytes = align64(core.workspace_bytes(ix.dims));
+  mlafx::parallel_chunks(0, static_cast<int64_t>(plan.items.size()), 1, [&](int64_t b, int64_t e) {
+    thread_local Scratch scratch;
+    scratch.fit(core_bytes, max_queries, 2 * ix.topk);
+    for (int64_t it = b; it < e; ++it) {
+      const Item& item = plan.items[it];
+      score_item(ix, core, groups[item.group], item, scratch, partials);
+    }
+  });
+  if (plan.num_partials > 0) {
+    merge_selections(ix, groups, plan, partials);
+  }
   return out;
 }
 
-at::Tensor dsa_indexer_topk(const at::Tensor& q,                // [T, Hi, Di]
-                            const at::Tensor& weights,          // [T, Hi] fp32
-                            const at::Tensor& index_cache,      // [NB, BS, Di]
-                            const at::Tensor& block_table,      // [B, M] int32
-                            const at::Tensor& kv_lens,          // [B] int32
-                            const at::Tensor& query_start_loc,  // [B + 1] int32
-                            const at::Tensor& positions,        // [T] int64
-                            int64_t topk) {
+// Every argument check of dsa_indexer_topk, naming the argument.
+void check_indexer_inputs(const at::Tensor& q, const at::Tensor& weights,
+                          const at::Tensor& index_cache, const at::Tensor& block_table,
+                          const at::Tensor& kv_lens, const at::Tensor& query_start_loc,
+                          const at::Tensor& positions, int64_t topk) {
   constexpr const char* op = "dsa_indexer_topk";
   check_cpu(op, {&q, &weights, &index_cache, &block_table, &kv_lens, &query_start_loc,
                  &positions});
@@ -385,10 +416,25 @@ at::Tensor dsa_indexer_topk(const at::Tensor& q,                // [T, Hi, Di]
   check_last_dim_contiguous(op, "q", q);
   TORCH_CHECK_VALUE(index_cache.is_contiguous(), op, ": index_cache must be contiguous, got ",
                     "strides ", index_cache.strides());
+  check_offsets(op, "query_start_loc", query_start_loc.const_data_ptr<int32_t>(),
+                query_start_loc.stride(0), B + 1, T, "num_tokens");
+  check_paged_table(op, block_table, kv_lens, NB, BS);
+}
+
+at::Tensor dsa_indexer_topk(const at::Tensor& q,                // [T, Hi, Di]
+                            const at::Tensor& weights,          // [T, Hi] fp32
+                            const at::Tensor& index_cache,      // [NB, BS, Di]
+                            const at::Tensor& block_table,      // [B, M] int32
+                            const at::Tensor& kv_lens,          // [B] int32
+                            const at::Tensor& query_start_loc,  // [B + 1] int32
+                            const at::Tensor& positions,        // [T] int64
+                            int64_t topk) {
+  check_indexer_inputs(q, weights, index_cache, block_table, kv_lens, query_start_loc, positions,
+                       topk);
+  const int64_t T = q.size(0), Hi = q.size(1), Di = q.size(2);
+  const int64_t BS = index_cache.size(1), B = block_table.size(0);
   const int32_t* qsl = query_start_loc.const_data_ptr<int32_t>();
   const int64_t qsl_s = query_start_loc.stride(0);
-  check_offsets(op, "query_start_loc", qsl, qsl_s, B + 1, T, "num_tokens");
-  check_paged_table(op, block_table, kv_lens, NB, BS);
 
   at::Tensor out = at::empty({T, topk}, q.options().dtype(at::kLong));
   if (T == 0) {

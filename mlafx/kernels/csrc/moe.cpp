@@ -147,6 +147,9 @@ at::Tensor group_rows(const Problem& pb, const Routing& routing, const ExpertGro
   return at::index_select(x, 0, index).contiguous();  // copies: `tokens` dies here
 }
 
+// Kept as one function (~115 lines): both passes share the gathered rows, h, the packed tile
+// operands and the `dot` dispatch between rows_dot and the tile unit; split, each pass would
+// take all of them as arguments.
 template <typename scalar_t>
 void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const at::Tensor& x,
                    const at::Tensor& w13, const at::Tensor& w2) {

@@ -51,6 +51,8 @@ inline __m512i broadcast4(const int8_t* p) {
 }
 
 // out rows m0..m0+MR-1, blocks b..b+MB-1 (out column 16 * (b - out_block0)).
+// Kept as one function (~90 lines): a register-blocked micro-kernel whose MB x MR accumulators
+// must stay in registers across the group loop; split into calls, the compiler spills them.
 template <int kBits, int MB, int MR>
 void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups, int64_t b,
           int64_t out_block0, float* out, int64_t ldo, bool prefetch) {
