@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES
+from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES, ModelConfig
 from mlafx.parallel import TensorParallelError
 from mlafx.runtime import LLM, RequestOutput, SamplingParams
 from mlafx.runtime.kv_connector.base import KVConnectorError
@@ -350,70 +350,89 @@ def cmd_run(args: argparse.Namespace) -> int:
             reuse = prefix_reuse_demo(args, serving, llm, longest, params) if store_demo else None
         finally:
             llm.close()
+    report = _RunReport(args, llm.config, load_seconds, outputs, stats, metrics, reuse)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": llm.config.model_type,
-                    "num_hidden_layers": llm.config.num_hidden_layers,
-                    "dtype": args.dtype,
-                    "load_s": load_seconds,
-                    "outputs": [
-                        {
-                            "prompt_len": len(o.prompt_token_ids),
-                            "token_ids": o.outputs[0].token_ids,
-                            "finish_reason": o.outputs[0].finish_reason,
-                            "num_cached_tokens": o.num_cached_tokens,
-                            "ttft_s": finished_metrics(o).time_to_first_token,
-                            "tpot_s": finished_metrics(o).time_per_output_token,
-                        }
-                        for o in outputs
-                    ],
-                    **stats,
-                    "metrics": metrics,
-                    **({"prefix_reuse": reuse} if reuse else {}),
-                },
-                indent=2,
-            )
-        )
-        return 0
-    cfg = llm.config
-    print(
-        f"model: {cfg.model_type}, {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, "
-        f"{args.dtype}, block size {args.block_size} (loaded in {load_seconds:.1f} s)"
-    )
-    for i, out in enumerate(outputs):
-        cached = f", {out.num_cached_tokens} cached" if out.num_cached_tokens else ""
-        print(
-            f"prompt {i} ({len(out.prompt_token_ids)} tokens{cached}) -> "
-            f"{out.outputs[0].token_ids} [{out.outputs[0].finish_reason}]"
-        )
-    print(
-        f"time to first token: median {stats['ttft_median_s'] * 1e3:.1f} ms "
-        f"(per prompt: {', '.join(f'{t * 1e3:.1f}' for t in stats['ttft_s'])} ms)"
-    )
-    print(f"decode: {stats['decode_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tokens/s")
-    tpot = [finished_metrics(o).time_per_output_token for o in outputs]
-    known = [t for t in tpot if t is not None]
-    if len(known) == len(tpot):
-        print(f"time per output token: median {statistics.median(known) * 1e3:.1f} ms")
-    print(
-        f"engine: prefix cache hit rate {metrics['prefix_cache_hit_rate']:.1%}, external "
-        f"hits {metrics['external_hit_tokens']} tokens "
-        f"({metrics['external_cache_hit_rate']:.1%}), {metrics['num_preemptions']} "
-        f"preemptions, prompt {metrics['prompt_tokens_per_s']:.1f} tokens/s, generation "
-        f"{metrics['generation_tokens_per_s']:.1f} tokens/s"
-    )
-    if reuse:
-        print(
-            f"prefix reuse ({reuse['prompt_len']}-token prompt): cold TTFT "
-            f"{reuse['cold_ttft_s'] * 1e3:.1f} ms; again: {reuse['prefix_hit_cached_tokens']} "
-            f"tokens from the prefix cache, TTFT {reuse['prefix_hit_ttft_s'] * 1e3:.1f} ms; "
-            f"second engine: {reuse['external_hit_tokens']} tokens from the KV store, TTFT "
-            f"{reuse['external_hit_ttft_s'] * 1e3:.1f} ms; same tokens: "
-            f"{'yes' if reuse['same_tokens'] else 'NO'}"
-        )
+        print(json.dumps(report.as_json(), indent=2))
+    else:
+        report.print_text()
     return 0
+
+
+@dataclasses.dataclass
+class _RunReport:
+    """What ``mlafx run`` prints: as JSON (``--json``) or as text."""
+
+    args: argparse.Namespace
+    config: ModelConfig
+    load_seconds: float
+    outputs: list[RequestOutput]
+    stats: dict[str, Any]
+    metrics: dict[str, Any]
+    reuse: dict[str, Any] | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "model": self.config.model_type,
+            "num_hidden_layers": self.config.num_hidden_layers,
+            "dtype": self.args.dtype,
+            "load_s": self.load_seconds,
+            "outputs": [
+                {
+                    "prompt_len": len(o.prompt_token_ids),
+                    "token_ids": o.outputs[0].token_ids,
+                    "finish_reason": o.outputs[0].finish_reason,
+                    "num_cached_tokens": o.num_cached_tokens,
+                    "ttft_s": finished_metrics(o).time_to_first_token,
+                    "tpot_s": finished_metrics(o).time_per_output_token,
+                }
+                for o in self.outputs
+            ],
+            **self.stats,
+            "metrics": self.metrics,
+            **({"prefix_reuse": self.reuse} if self.reuse else {}),
+        }
+
+    def print_text(self) -> None:
+        cfg, args, stats, metrics = self.config, self.args, self.stats, self.metrics
+        print(
+            f"model: {cfg.model_type}, {cfg.num_hidden_layers} layers, {cfg.n_routed_experts} "
+            f"experts, {args.dtype}, block size {args.block_size} (loaded in "
+            f"{self.load_seconds:.1f} s)"
+        )
+        for i, out in enumerate(self.outputs):
+            cached = f", {out.num_cached_tokens} cached" if out.num_cached_tokens else ""
+            print(
+                f"prompt {i} ({len(out.prompt_token_ids)} tokens{cached}) -> "
+                f"{out.outputs[0].token_ids} [{out.outputs[0].finish_reason}]"
+            )
+        print(
+            f"time to first token: median {stats['ttft_median_s'] * 1e3:.1f} ms "
+            f"(per prompt: {', '.join(f'{t * 1e3:.1f}' for t in stats['ttft_s'])} ms)"
+        )
+        print(
+            f"decode: {stats['decode_tokens']} tokens, {stats['decode_tokens_per_s']:.1f} tokens/s"
+        )
+        tpot = [finished_metrics(o).time_per_output_token for o in self.outputs]
+        known = [t for t in tpot if t is not None]
+        if len(known) == len(tpot):
+            print(f"time per output token: median {statistics.median(known) * 1e3:.1f} ms")
+        print(
+            f"engine: prefix cache hit rate {metrics['prefix_cache_hit_rate']:.1%}, external "
+            f"hits {metrics['external_hit_tokens']} tokens "
+            f"({metrics['external_cache_hit_rate']:.1%}), {metrics['num_preemptions']} "
+            f"preemptions, prompt {metrics['prompt_tokens_per_s']:.1f} tokens/s, generation "
+            f"{metrics['generation_tokens_per_s']:.1f} tokens/s"
+        )
+        reuse = self.reuse
+        if reuse:
+            print(
+                f"prefix reuse ({reuse['prompt_len']}-token prompt): cold TTFT "
+                f"{reuse['cold_ttft_s'] * 1e3:.1f} ms; again: {reuse['prefix_hit_cached_tokens']} "
+                f"tokens from the prefix cache, TTFT {reuse['prefix_hit_ttft_s'] * 1e3:.1f} ms; "
+                f"second engine: {reuse['external_hit_tokens']} tokens from the KV store, TTFT "
+                f"{reuse['external_hit_ttft_s'] * 1e3:.1f} ms; same tokens: "
+                f"{'yes' if reuse['same_tokens'] else 'NO'}"
+            )
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -138,52 +138,14 @@ def export_model(
     directory appears whole or not at all (written beside it, then renamed)."""
     import mlafx
 
-    _check_format(format)
-    if not 1 <= block_size <= 256:
-        raise ValueError(f"block_size must be in 1..256, got {block_size}")
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise ValueError(f"{output} exists and is not an empty directory; choose a new one")
-    dtype = _dtype_name(model.dtype)
-    if format == "onnx":
-        _check_onnx_dtype(dtype)
-        _check_onnx_quantization(is_quantized(model), is_fp8(model))
-        if model.config.sparse_attention:
-            raise ValueError(
-                f"ONNX export of {model.config.model_type} (DSA sparse attention) is not "
-                "supported: its indexer top-k and sparse attention have no onnxruntime "
-                "translation; export it as aoti or pt2"
-            )
+    dtype = _check_export(model, output, format, block_size)
     staging = output.with_name(f".{output.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         with _phase("writing the weights"):
             aliases = save_weights(model_constants(model), staging / WEIGHTS_FILE)
-        cpu: dict[str, Any] = {"required_flags": []}  # portable unless compiled code ships
-        if format == "aoti":
-            with _phase("AOTInductor packages, one per layer kind (compiled unless cached)"):
-                step: dict[str, Any] = {"layer_kinds": []}
-                for k, kind in enumerate(layer_kinds(model)):
-                    package = layer_package(model, kind, block_size, compile_cache_dir)
-                    shutil.copyfile(package.package, staging / f"layer-{k}.pt2")
-                    step["layer_kinds"].append(
-                        {"name": kind.name, "file": f"layer-{k}.pt2", "layers": list(kind.layers)}
-                    )
-            # one compiler and one machine built them all: the flags are the same
-            cpu = aoti_cpu_requirements(staging / step["layer_kinds"][0]["file"])
-        else:
-            with _phase("capturing and lowering the step"):
-                lowered = lower_step(model, block_size)
-            if format == "pt2":
-                from mlafx.export.pt2_step import export_pt2
-
-                with _phase("torch.export program"):
-                    step = export_pt2(lowered, staging)
-            else:
-                from mlafx.export.onnx_export import export_onnx
-
-                with _phase("ONNX (functional step, translated ops, checker)"):
-                    step = export_onnx(lowered, model, block_size, staging, WEIGHTS_FILE)
+        step, cpu = _write_step(model, format, block_size, staging, compile_cache_dir)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, staging / TOKENIZER_FILE)
             for name in CHAT_TEMPLATE_FILES:  # the chat template and its special tokens
@@ -214,6 +176,59 @@ def export_model(
         raise
     log.warning("mlafx export: wrote %s artifact %s", format, output)
     return manifest
+
+
+def _check_export(model: MLAForCausalLM, output: Path, format: str, block_size: int) -> str:
+    """Refuse what cannot be exported before anything is written; the artifact's dtype name."""
+    _check_format(format)
+    if not 1 <= block_size <= 256:
+        raise ValueError(f"block_size must be in 1..256, got {block_size}")
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise ValueError(f"{output} exists and is not an empty directory; choose a new one")
+    dtype = _dtype_name(model.dtype)
+    if format == "onnx":
+        _check_onnx_dtype(dtype)
+        _check_onnx_quantization(is_quantized(model), is_fp8(model))
+        if model.config.sparse_attention:
+            raise ValueError(
+                f"ONNX export of {model.config.model_type} (DSA sparse attention) is not "
+                "supported: its indexer top-k and sparse attention have no onnxruntime "
+                "translation; export it as aoti or pt2"
+            )
+    return dtype
+
+
+def _write_step(
+    model: MLAForCausalLM,
+    format: str,
+    block_size: int,
+    staging: Path,
+    compile_cache_dir: Path | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The format's step files in ``staging``: the manifest's ``step`` and ``cpu`` entries."""
+    if format == "aoti":
+        with _phase("AOTInductor packages, one per layer kind (compiled unless cached)"):
+            step: dict[str, Any] = {"layer_kinds": []}
+            for k, kind in enumerate(layer_kinds(model)):
+                package = layer_package(model, kind, block_size, compile_cache_dir)
+                shutil.copyfile(package.package, staging / f"layer-{k}.pt2")
+                step["layer_kinds"].append(
+                    {"name": kind.name, "file": f"layer-{k}.pt2", "layers": list(kind.layers)}
+                )
+        # one compiler and one machine built them all: the flags are the same
+        return step, aoti_cpu_requirements(staging / step["layer_kinds"][0]["file"])
+    cpu: dict[str, Any] = {"required_flags": []}  # portable: no compiled code ships
+    with _phase("capturing and lowering the step"):
+        lowered = lower_step(model, block_size)
+    if format == "pt2":
+        from mlafx.export.pt2_step import export_pt2
+
+        with _phase("torch.export program"):
+            return export_pt2(lowered, staging), cpu
+    from mlafx.export.onnx_export import export_onnx
+
+    with _phase("ONNX (functional step, translated ops, checker)"):
+        return export_onnx(lowered, model, block_size, staging, WEIGHTS_FILE), cpu
 
 
 def mlafx_op_schemas() -> dict[str, str]:

@@ -159,80 +159,99 @@ def _widened_bytes(target_shape: tuple[int, ...], dtype: torch.dtype, src: list[
 def plan_gguf(model: nn.Module, gguf: GgufFile, cfg: ModelConfig) -> GgufPlan:
     """Match the file's tensors to ``model`` (on the meta device) from the header alone; raise
     ``WeightLoadError`` with every problem."""
-    plan = GgufPlan(gguf)
-    tensors = gguf.tensors
-    used: set[str] = set()
-    problems: list[str] = []
-    modules = dict(model.named_modules())
+    planner = _Planner(model, gguf, cfg)
+    for key, target in _canonical_targets(model).items():
+        if key.endswith("." + _GATE_UP) or key == _GATE_UP:
+            planner.expert_stack(key, target)
+        elif key.endswith(".mlp.experts.down_proj"):
+            continue  # with its gate_up stack
+        elif key.endswith(_KV_B):
+            planner.kv_b(key, tuple(target.shape))
+        else:
+            planner.tensor(key, target)
+    return planner.finish()
 
-    def take(name: str, shape: tuple[int, ...] | None, what: str) -> GgufTensor | None:
-        tensor = tensors.get(name)
+
+class _Planner:
+    """``plan_gguf``'s state: the plan so far, the file's tensors taken, the problems found."""
+
+    def __init__(self, model: nn.Module, gguf: GgufFile, cfg: ModelConfig) -> None:
+        self.model, self.cfg = model, cfg
+        self.plan = GgufPlan(gguf)
+        self.tensors = gguf.tensors
+        self.used: set[str] = set()
+        self.problems: list[str] = []
+        self.modules = dict(model.named_modules())
+
+    def take(self, name: str, shape: tuple[int, ...] | None, what: str) -> GgufTensor | None:
+        tensor = self.tensors.get(name)
         if tensor is None:
-            problems.append(f"{name}: missing from the GGUF file (for {what})")
+            self.problems.append(f"{name}: missing from the GGUF file (for {what})")
             return None
-        used.add(name)
+        self.used.add(name)
         if shape is not None and tensor.shape != shape:
-            problems.append(
+            self.problems.append(
                 f"{name}: shape {list(tensor.shape)} != expected {list(shape)} (for {what})"
             )
             return None
         return tensor
 
-    for key, target in _canonical_targets(model).items():
-        shape = tuple(target.shape)
-        owner = key.rpartition(".")[0]
-        if key.endswith("." + _GATE_UP) or key == _GATE_UP:
-            layer = key.split(".")[2]
-            e, two_i, d = shape
-            gate = take(f"blk.{layer}.ffn_gate_exps.weight", (e, two_i // 2, d), key)
-            up = take(f"blk.{layer}.ffn_up_exps.weight", (e, two_i // 2, d), key)
-            down_key = key.replace("gate_up_proj", "down_proj")
-            down = take(
-                f"blk.{layer}.ffn_down_exps.weight", tuple(_lookup(model, down_key).shape), down_key
+    def expert_stack(self, key: str, target: torch.Tensor) -> None:
+        """A layer's routed experts: repacked whole, or dequantized into gate_up and down."""
+        layer = key.split(".")[2]
+        e, two_i, d = target.shape
+        gate = self.take(f"blk.{layer}.ffn_gate_exps.weight", (e, two_i // 2, d), key)
+        up = self.take(f"blk.{layer}.ffn_up_exps.weight", (e, two_i // 2, d), key)
+        down_key = key.replace("gate_up_proj", "down_proj")
+        down_shape = tuple(_lookup(self.model, down_key).shape)
+        down = self.take(f"blk.{layer}.ffn_down_exps.weight", down_shape, down_key)
+        if gate is None or up is None or down is None:
+            return
+        formats = _stack_formats((gate, up, down))
+        if formats is not None:
+            self.plan.experts.append(_Repack(key.rpartition(".")[0], (gate, up, down), formats))
+            return
+        self.plan.fills.append(_Fill(key, (gate, up), "gate_up"))
+        self.plan.fills.append(_Fill(down_key, (down,)))
+        for t in (gate, up, down):
+            if t.type_name not in _PLAIN:
+                self.plan.widened.append((t.name, _widened_bytes(t.shape, target.dtype, [t])))
+
+    def kv_b(self, key: str, shape: tuple[int, ...]) -> None:
+        """``kv_b_proj``: llama.cpp's joined tensor, or its newer split k_b / v_b pair."""
+        layer = key.split(".")[2]
+        joined = f"blk.{layer}.attn_kv_b.weight"
+        if joined in self.tensors:
+            source = self.take(joined, shape, key)
+            if source is not None:
+                self.plan.fills.append(_Fill(key, (source,)))
+            return
+        cfg = self.cfg
+        h, p, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        lkv = cfg.kv_lora_rank
+        if f"blk.{layer}.attn_k_b.weight" not in self.tensors:
+            self.problems.append(
+                f"{joined}: missing from the GGUF file, and so is the split pair "
+                f"blk.{layer}.attn_k_b.weight / attn_v_b.weight (for {key})"
             )
-            if gate is None or up is None or down is None:
-                continue
-            formats = _stack_formats((gate, up, down))
-            if formats is not None:
-                plan.experts.append(_Repack(owner, (gate, up, down), formats))
-                continue
-            plan.fills.append(_Fill(key, (gate, up), "gate_up"))
-            plan.fills.append(_Fill(down_key, (down,)))
-            for t in (gate, up, down):
-                if t.type_name not in _PLAIN:
-                    plan.widened.append((t.name, _widened_bytes(t.shape, target.dtype, [t])))
-            continue
-        if key.endswith(".mlp.experts.down_proj"):
-            continue  # with its gate_up stack above
-        if key.endswith(_KV_B):
-            layer = key.split(".")[2]
-            joined = f"blk.{layer}.attn_kv_b.weight"
-            if joined in tensors:
-                source = take(joined, shape, key)
-                if source is not None:
-                    plan.fills.append(_Fill(key, (source,)))
-                continue
-            h, p, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-            lkv = cfg.kv_lora_rank
-            if f"blk.{layer}.attn_k_b.weight" not in tensors:
-                problems.append(
-                    f"{joined}: missing from the GGUF file, and so is the split pair "
-                    f"blk.{layer}.attn_k_b.weight / attn_v_b.weight (for {key})"
-                )
-                continue
-            k_b = take(f"blk.{layer}.attn_k_b.weight", (h, lkv, p), key)
-            v_b = take(f"blk.{layer}.attn_v_b.weight", (h, v, lkv), key)
-            if k_b is not None and v_b is not None:
-                plan.fills.append(_Fill(key, (k_b, v_b), "kv_b"))
-            continue
-        name = _source_names(cfg, key)
+            return
+        k_b = self.take(f"blk.{layer}.attn_k_b.weight", (h, lkv, p), key)
+        v_b = self.take(f"blk.{layer}.attn_v_b.weight", (h, v, lkv), key)
+        if k_b is not None and v_b is not None:
+            self.plan.fills.append(_Fill(key, (k_b, v_b), "kv_b"))
+
+    def tensor(self, key: str, target: torch.Tensor) -> None:
+        """Any other tensor: a linear weight in a lossless format is repacked, the rest filled."""
+        name = _source_names(self.cfg, key)
         if name is None:
-            problems.append(f"{key}: mlafx has no GGUF tensor name for this model tensor")
-            continue
-        source = take(name, shape, key)
+            self.problems.append(f"{key}: mlafx has no GGUF tensor name for this model tensor")
+            return
+        shape = tuple(target.shape)
+        source = self.take(name, shape, key)
         if source is None:
-            continue
-        linear = modules.get(owner)
+            return
+        owner = key.rpartition(".")[0]
+        linear = self.modules.get(owner)
         leaf = owner.rpartition(".")[2]
         is_weight = key.endswith(".weight") and isinstance(linear, nn.Linear)
         lossless = GGML_LOSSLESS_FORMATS.get(source.type_name)
@@ -244,29 +263,34 @@ def plan_gguf(model: nn.Module, gguf: GgufFile, cfg: ModelConfig) -> GgufPlan:
             and linear.bias is None
             and key != "model.embed_tokens.weight"
         ):
-            plan.linears.append(_Repack(owner, (source,), lossless[:1]))
-            continue
-        plan.fills.append(_Fill(key, (source,)))
+            self.plan.linears.append(_Repack(owner, (source,), lossless[:1]))
+            return
+        self.plan.fills.append(_Fill(key, (source,)))
         if is_weight and leaf not in _KEPT and source.type_name not in _PLAIN:
-            plan.widened.append((name, _widened_bytes(shape, target.dtype, [source])))
-    extra = sorted(set(tensors) - used)
-    layers = cfg.num_hidden_layers
-    skipped = [n for n in extra if n.startswith("blk.") and int(n.split(".")[1]) >= layers]
-    problems += [
-        f"{n}: a GGUF tensor the model has no place for" for n in extra if n not in skipped
-    ]
-    if problems:
-        raise WeightLoadError(problems)
-    if skipped:
-        logger.info("skipped %d GGUF tensors of layers >= %d", len(skipped), layers)
-    if plan.widened:
-        logger.warning(
-            "GGUF tensors of types mlafx does not run from their own bytes, dequantized to "
-            "the model dtype (+%.1f MiB): %s",
-            sum(b for _, b in plan.widened) / 2**20,
-            ", ".join(f"{n} (+{b / 2**20:.2f} MiB)" for n, b in plan.widened),
-        )
-    return plan
+            self.plan.widened.append((name, _widened_bytes(shape, target.dtype, [source])))
+
+    def finish(self) -> GgufPlan:
+        """The plan, or every problem as one ``WeightLoadError``; logs what is skipped or
+        dequantized."""
+        extra = sorted(set(self.tensors) - self.used)
+        layers = self.cfg.num_hidden_layers
+        skipped = [n for n in extra if n.startswith("blk.") and int(n.split(".")[1]) >= layers]
+        self.problems += [
+            f"{n}: a GGUF tensor the model has no place for" for n in extra if n not in skipped
+        ]
+        if self.problems:
+            raise WeightLoadError(self.problems)
+        if skipped:
+            logger.info("skipped %d GGUF tensors of layers >= %d", len(skipped), layers)
+        widened = self.plan.widened
+        if widened:
+            logger.warning(
+                "GGUF tensors of types mlafx does not run from their own bytes, dequantized to "
+                "the model dtype (+%.1f MiB): %s",
+                sum(b for _, b in widened) / 2**20,
+                ", ".join(f"{n} (+{b / 2**20:.2f} MiB)" for n, b in widened),
+            )
+        return self.plan
 
 
 def _stack_formats(parts: tuple[GgufTensor, ...]) -> tuple[str, str] | None:

@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from mlafx.runtime import LLM
 from mlafx.runtime.chat_template import ChatTemplateError
 from mlafx.serve.choice import ChoiceDelta, ChoiceState, chat_logprobs
 from mlafx.serve.engine_loop import EngineLoop
@@ -39,11 +40,9 @@ from mlafx.serve.generation import (
 from mlafx.serve.protocol import ChatCompletionRequest
 
 
-async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, engine: EngineLoop, model_name: str
-) -> JSONResponse | StreamingResponse:
-    check_model(body.model, model_name)
-    llm = engine.llm
+def _chat_prompt(body: ChatCompletionRequest, llm: LLM) -> tuple[Any, list[int]]:
+    """The model's tokenizer and the request's messages rendered by its chat template and
+    tokenized; an ``APIError`` when the model cannot chat or the template refuses them."""
     if llm.tokenizer is None or llm.chat_template is None:
         missing = "tokenizer" if llm.tokenizer is None else "chat template"
         raise APIError(
@@ -59,7 +58,15 @@ async def create_chat_completion(
         )
     except ChatTemplateError as e:
         raise APIError(str(e), param="messages") from None
-    prompt = llm.tokenizer.encode(text, add_special_tokens=False).ids
+    return llm.tokenizer, llm.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, engine: EngineLoop, model_name: str
+) -> JSONResponse | StreamingResponse:
+    check_model(body.model, model_name)
+    llm = engine.llm
+    tokenizer, prompt = _chat_prompt(body, llm)
     try:
         params = body.sampling_params(llm.max_model_len)
     except ValueError as e:
@@ -69,8 +76,7 @@ async def create_chat_completion(
     except (ValueError, TypeError) as e:
         raise prompt_error(e, "messages") from None
     choices = [
-        ChoiceState(body.stop_strings(), llm.tokenizer, body.logprobs, copy)
-        for copy in range(body.n)
+        ChoiceState(body.stop_strings(), tokenizer, body.logprobs, copy) for copy in range(body.n)
     ]
     generation = Generation(submission, choices, n=body.n)
     call_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
