@@ -50,14 +50,16 @@ $(STAMPS)/system-deps: Makefile
 	mkdir -p $(STAMPS) && touch $@
 
 # Two pytest workers (pytest-xdist): a cold compile is mostly one process (inductor's Python,
-# one g++), so two of them keep both cores busy.
+# one g++), so two of them keep both cores busy; `worksteal` hands an idle worker the other's
+# queued tests, so a long test near the end of one share does not leave a core idle.
 TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist worksteal
 test: install system-deps
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q $(XDIST) tests
 
 # The suite minus the tests tests/slow_tests.txt lists (cold compiles, long sweeps).
 test-fast: install system-deps
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
+	$(PY) -m pytest -q $(XDIST) -m "not slow" tests
 
 # Re-measure which tests are slow (~1 h here): a cold serial run of the suite, then of its fast
 # tier, and rewrite tests/slow_tests.txt from both (tests/record_slow_tests.py says why both).
