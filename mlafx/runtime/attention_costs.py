@@ -7,7 +7,7 @@ over ``kv_b_proj`` (the decompression). They differ by CPU (AMX tiles, AVX-512 B
 portable), dtype and thread count, so they are timed on the host the engine runs on, the
 first time a model of these shapes starts there, and kept as a small JSON file under the
 compile cache (``default_cache_dir()/attention_costs``) keyed by all of those and by the
-kernels' build. ``mlafx bench kernels --only attention_path`` prints them with the paths'
+kernels' build. ``mlafx bench attention-path`` prints them with the paths'
 measured times at the rule's break-even cases.
 
 The calibration step: one sequence of ``CALIBRATION_TOKENS`` new tokens over as many cached
