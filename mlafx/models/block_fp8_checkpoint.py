@@ -41,13 +41,12 @@ from mlafx.models.layers import submodule
 from mlafx.models.moe import RoutedExperts
 from mlafx.models.packed_int4_checkpoint import CheckpointReader, replace_module
 from mlafx.models.safetensors_file import StoredTensor
+from mlafx.models.stored_modules import SKIPPED, StoredTarget, incomplete_stacks, stored_target
 from mlafx.models.weights import WeightLoadError
 
 logger = logging.getLogger(__name__)
 
 _PART = re.compile(r"^(.*)\.(weight|weight_scale_inv)$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj$")
 _DEQUANTIZED = ("kv_b_proj",)
 _FP8 = "F8_E4M3"
 
@@ -141,47 +140,26 @@ def plan_block_fp8(
     owned = dict(model.named_modules())
     for name, entry in sorted(modules.items()):
         plan.keys |= {f"{name}.{p}" for p in entry}
-        layer = _LAYER.match(name)
-        if layer is not None and int(layer.group(1)) >= num_hidden_layers:
+        place = stored_target(model, owned, name, num_hidden_layers)
+        if place == SKIPPED:
             plan.skipped += 1
             continue
-        expert = _EXPERT.match(name)
-        if expert is not None and isinstance(owned.get(expert.group(1)), RoutedExperts):
-            stack, e, part = expert.group(1), int(expert.group(2)), expert.group(3)
-            num, two_i, d = submodule(model, stack, RoutedExperts).gate_up_proj.shape
-            if e >= num:
-                plan.skipped += 1
-                continue
-            n, k = (d, two_i // 2) if part == "down" else (two_i // 2, d)
-            target: dict[Any, _Fp8] = plan.experts.setdefault(stack, {})
-            key: Any = (e, part)
-        elif isinstance(owned.get(name), nn.Linear):
-            linear = owned[name]
-            n, k = linear.out_features, linear.in_features
-            if linear.bias is not None:
+        if not isinstance(place, StoredTarget):
+            problems.append(f"{name}.weight_scale_inv: no such linear or expert in the model")
+            continue
+        if place.linear is None:
+            target: dict[Any, _Fp8] = plan.experts.setdefault(place.stack, {})
+            key: Any = (place.expert, place.part)
+        else:
+            if place.linear.bias is not None:
                 problems.append(f"{name}: an FP8 linear with a bias is not supported")
             target = plan.dequantized if name.rpartition(".")[2] in _DEQUANTIZED else plan.linears
             key = name
-        else:
-            problems.append(f"{name}.weight_scale_inv: no such linear or expert in the model")
-            continue
-        found = _check(name, entry, n, k, fmt.block)
+        found = _check(name, entry, place.n, place.k, fmt.block)
         problems += found
         if not found:
-            target[key] = _Fp8(name, entry["weight"], entry["weight_scale_inv"], n, k)
-    for stack, parts in plan.experts.items():
-        num = submodule(model, stack, RoutedExperts).gate_up_proj.shape[0]
-        absent = [
-            f"{stack}.{e}.{p}_proj"
-            for e in range(num)
-            for p in ("gate", "up", "down")
-            if (e, p) not in parts
-        ]
-        if absent:
-            problems.append(
-                f"{stack}: experts are FP8 but {len(absent)} expert linears are not (first: "
-                f"{absent[0]}): a stack must be FP8 whole"
-            )
+            target[key] = _Fp8(name, entry["weight"], entry["weight_scale_inv"], place.n, place.k)
+    problems += incomplete_stacks(model, plan.experts, "FP8")
     if problems:
         raise WeightLoadError(problems)
     if plan.skipped:

@@ -49,13 +49,12 @@ from mlafx.models.layers import submodule
 from mlafx.models.moe import RoutedExperts
 from mlafx.models.quantized import QuantizedExperts, QuantizedLinear
 from mlafx.models.safetensors_file import StoredTensor, map_stored
+from mlafx.models.stored_modules import SKIPPED, StoredTarget, incomplete_stacks, stored_target
 from mlafx.models.weights import WeightLoadError
 
 logger = logging.getLogger(__name__)
 
 _PART = re.compile(r"^(.*)\.weight_(packed|scale|shape)$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj$")
 _DEQUANTIZED = ("kv_b_proj",)
 _SCALE_DTYPES = ("BF16", "F16", "F32")
 # rows repacked at once: bounds the int16 scratch of a vocabulary-sized lm_head (~0.5 GiB)
@@ -144,43 +143,23 @@ def plan_packed_int4(
     owned = dict(model.named_modules())
     for name, parts in sorted(modules.items()):
         plan.keys |= {f"{name}.weight_{p}" for p in parts}
-        layer = _LAYER.match(name)
-        if layer is not None and int(layer.group(1)) >= num_hidden_layers:
+        place = stored_target(model, owned, name, num_hidden_layers)
+        if place == SKIPPED:
             plan.skipped += 1
             continue
-        expert = _EXPERT.match(name)
-        if expert is not None and isinstance(owned.get(expert.group(1)), RoutedExperts):
-            stack, e, part = expert.group(1), int(expert.group(2)), expert.group(3)
-            num, two_i, d = submodule(model, stack, RoutedExperts).gate_up_proj.shape
-            if e >= num:
-                plan.skipped += 1
-                continue
-            n, k = (d, two_i // 2) if part == "down" else (two_i // 2, d)
-            plan.experts.setdefault(stack, {})[(e, part)] = _Packed(name, parts, n, k)
-        elif isinstance(owned.get(name), nn.Linear):
-            linear = owned[name]
-            n, k = linear.out_features, linear.in_features
-            if linear.bias is not None:
-                problems.append(f"{name}: a packed linear with a bias is not supported")
-            kind = plan.dequantized if name.rpartition(".")[2] in _DEQUANTIZED else plan.linears
-            kind[name] = _Packed(name, parts, n, k)
-        else:
+        if not isinstance(place, StoredTarget):
             problems.append(f"{name}.weight_packed: no such linear or expert in the model")
             continue
-        problems += _check_parts(name, parts, n, k, fmt)
-    for stack, stack_parts in plan.experts.items():
-        num = submodule(model, stack, RoutedExperts).gate_up_proj.shape[0]
-        absent = [
-            f"{stack}.{e}.{p}_proj"
-            for e in range(num)
-            for p in ("gate", "up", "down")
-            if (e, p) not in stack_parts
-        ]
-        if absent:
-            problems.append(
-                f"{stack}: experts are packed int4 but {len(absent)} expert linears are not "
-                f"(first: {absent[0]}): a stack must be packed whole"
-            )
+        packed = _Packed(name, parts, place.n, place.k)
+        if place.linear is None:
+            plan.experts.setdefault(place.stack, {})[(place.expert, place.part)] = packed
+        else:
+            if place.linear.bias is not None:
+                problems.append(f"{name}: a packed linear with a bias is not supported")
+            kind = plan.dequantized if name.rpartition(".")[2] in _DEQUANTIZED else plan.linears
+            kind[name] = packed
+        problems += _check_parts(name, parts, place.n, place.k, fmt)
+    problems += incomplete_stacks(model, plan.experts, "packed int4")
     if problems:
         raise WeightLoadError(problems)
     if plan.skipped:
