@@ -49,8 +49,10 @@ def _assert_close(out, args, dtype):
     tol = TOLERANCE[dtype]
     scale = max(expected.abs().max().item(), 1e-6)
     torch.testing.assert_close(out.double(), expected, atol=tol * scale, rtol=tol)
+    # the eager reference rounds g, u, h and y to x's dtype too, each within tol of the float64
+    # one but not always on the same side of a rounding boundary: they agree within 2 tol
     eager = moe_experts_quantized_reference(*args)
-    torch.testing.assert_close(out.double(), eager.double(), atol=tol * scale, rtol=tol)
+    torch.testing.assert_close(out.double(), eager.double(), atol=2 * tol * scale, rtol=2 * tol)
 
 
 @settings(max_examples=40, deadline=None)
