@@ -13,16 +13,21 @@ import math
 
 import torch
 
-from mlafx.config import LongRopeScaling, ModelConfig
+from mlafx.config import LongRopeScaling, ModelConfig, YarnScaling
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[R/2] float32 inverse frequencies; YaRN blends interpolated and extrapolated ones,
+    """[R/2] float32 inverse frequencies of the model's RoPE (:func:`inv_frequencies`)."""
+    return inv_frequencies(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def inv_frequencies(
+    dim: int, base: float, yarn: YarnScaling | LongRopeScaling | None
+) -> torch.Tensor:
+    """[dim/2] float32 inverse frequencies; YaRN blends interpolated and extrapolated ones,
     LongRoPE divides each by its factor."""
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     extrapolated = 1.0 / pos_freqs
-    yarn = cfg.rope_scaling
     if yarn is None:
         return extrapolated
     if isinstance(yarn, LongRopeScaling):
