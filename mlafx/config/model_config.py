@@ -69,7 +69,9 @@ UNSUPPORTED_MLA_MODEL_TYPES = {
     "glm5_next": "KDA linear-attention layers, hyper-connections and a pooled DSA indexer",
     "glm5_next_text": "KDA linear-attention layers, hyper-connections and a pooled DSA indexer",
     "kimi_linear": "KDA linear-attention layers (a hybrid: 3 of 4 layers are not MLA)",
-    "deepseek_v4": "compressed sparse attention, sliding windows, sinks, mHC and hash MoE",
+    "deepseek_v4": "the engine to drive its own step (mlafx.models.deepseek_v4 holds the "
+    "reference model over its paged caches; the scheduler, compiled path and checkpoint "
+    "formats do not serve it yet)",
 }
 # Sparse-attention model types refused: a DSA variant mlafx does not serve (any other config
 # with ``index_topk`` is refused too).
