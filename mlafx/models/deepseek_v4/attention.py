@@ -1,0 +1,156 @@
+"""V4 attention, written the naive way (the reference semantics).
+
+Symbols: T new tokens, H heads, c = head_dim (the one K=V head), R = qk_rope_head_dim,
+K window rows and E pool entries the step reads, g = o_groups.
+
+    q_latent = q_a_norm(q_a_proj(x))                                    [T, Lq]
+    q        = rope(rms(q_b_proj(q_latent).view(T, H, c)))             [T, H, c] (no weight)
+    kv       = rope(kv_norm(kv_proj(x)))                               [T, c] -> window cache
+    keys     = window rows p - W < pos <= p  (+ pool entries w < (p+1)/m; CSA: the indexer's
+               top ``index_topk`` of those)
+    o        = softmax([q.k / sqrt(c) | sink_h]) without the sink column @ keys   [T, H, c]
+    out      = o_b_proj(o_a_proj per group(rope^-1(o)))                 [T, D]
+
+The sink is a per-head logit in the softmax's denominator only. Keys are values too, so the
+output's rope dims carry the keys' rotation: rotating them back by the query's position leaves
+a function of relative distance. Sliding layers use the ``main`` rope, compressed ones the
+``compress`` rope, for q, kv, the pool and the de-rotation alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mlafx.config.deepseek_v4 import CSA, SLIDING, DeepseekV4Config
+from mlafx.models.deepseek_v4.compressor import FloatRMSNorm, Indexer, PoolCompressor
+from mlafx.models.deepseek_v4.hyper_connection import unweighted_rms_norm
+from mlafx.models.deepseek_v4.rope import V4RotaryEmbedding
+from mlafx.models.deepseek_v4.step import V4StepMetadata
+
+
+class Compressor(PoolCompressor):
+    """transformers' ``self_attn.compressor`` (CSA: with its ``indexer``)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int) -> None:
+        csa = cfg.layer_types[layer] == CSA
+        super().__init__(cfg, cfg.head_dim, cfg.compress_rate(layer), overlap=csa)
+        self.indexer = Indexer(cfg) if csa else None
+
+
+class GroupedLinear(nn.Module):
+    """``o_a_proj``: heads in ``groups`` consecutive groups, each projected on its own.
+    weight [groups * out, in] (group-major)."""
+
+    def __init__(self, in_per_group: int, out_total: int, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.zeros(out_total, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, groups, in] -> [T, groups * out]."""
+        w = self.weight.view(self.groups, -1, self.weight.shape[1])  # [g, out, in]
+        return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        d, h, c = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.kind = cfg.layer_types[layer]
+        self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = FloatRMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * c, bias=False)
+        self.kv_proj = nn.Linear(d, c, bias=False)
+        self.kv_norm = FloatRMSNorm(c, cfg.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(
+            h * c // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups
+        )
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(h))
+        self.compressor = Compressor(cfg, layer) if self.kind != SLIDING else None
+        self.rotary = V4RotaryEmbedding(cfg.rope(layer), cfg.qk_rope_head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, D]
+        caches: list[torch.Tensor],  # this layer's (``layer_cache_shapes``), written in place
+        meta: V4StepMetadata,
+    ) -> torch.Tensor:  # [T, D]
+        cfg, rope = self.cfg, self.rotary
+        num_tokens, h, c = x.shape[0], cfg.num_attention_heads, cfg.head_dim
+        q_latent = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(q_latent).view(num_tokens, h, c), cfg.rms_norm_eps)
+        q = rope.rotate(q, meta.positions)
+        kv = rope.rotate(self.kv_norm(self.kv_proj(x)), meta.positions)
+        window = caches[0]
+        window.view(-1, c).index_copy_(0, meta.slot_mapping, kv.to(window.dtype))
+        keys = window.view(-1, c).index_select(0, meta.key_slots).to(x.dtype)  # [K, c]
+        pos = meta.positions[:, None]
+        mask = (meta.query_seq_ids[:, None] == meta.key_seq_ids[None, :]) & (
+            (meta.key_positions[None, :] <= pos)
+            & (meta.key_positions[None, :] > pos - cfg.sliding_window)
+        )
+        if self.compressor is not None:
+            entries, visible = self.pool_keys(x, q_latent, caches, meta)
+            keys = torch.cat([keys, entries], dim=0)
+            mask = torch.cat([mask, visible], dim=1)
+        out = attend_with_sinks(q, keys, mask, self.sinks, c**-0.5)  # [T, H, c]
+        out = rope.rotate(out, meta.positions, inverse=True)
+        return self.o_b_proj(self.o_a_proj(out.reshape(num_tokens, cfg.o_groups, -1)))
+
+    def pool_keys(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        caches: list[torch.Tensor],
+        meta: V4StepMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's compressor inputs, close the windows that end in the step, and
+        return the pool entries [E, c] with the entries each query attends to [T, E]."""
+        comp = self.compressor
+        assert comp is not None
+        pool = meta.pool(comp.rate)
+        pool_cache = caches[3] if comp.indexer else caches[2]
+        comp.write_inputs(x, caches[1], meta.slot_mapping)
+        comp.close(caches[1], pool_cache, pool, self.rotary)
+        visible = (meta.query_seq_ids[:, None] == pool.entry_seq_ids[None, :]) & (
+            pool.entry_index[None, :] < (meta.positions[:, None] + 1) // comp.rate
+        )
+        entries = pool_cache.view(-1, comp.width).index_select(0, pool.entry_slots).to(x.dtype)
+        if comp.indexer is not None:
+            comp.indexer.write_inputs(x, caches[2], meta.slot_mapping)
+            comp.indexer.close(caches[2], caches[4], pool, self.rotary)
+            visible = comp.indexer.select(x, q_latent, caches[4], meta, visible, self.rotary)
+        return entries, visible
+
+
+def attend_with_sinks(
+    q: torch.Tensor,  # [T, H, c]
+    keys: torch.Tensor,  # [K, c], the values too
+    mask: torch.Tensor,  # [T, K] bool, True = may attend
+    sinks: torch.Tensor,  # [H] float32 logits in the denominator only
+    scale: float,
+) -> torch.Tensor:  # [T, H, c]
+    logits = torch.einsum("thc,kc->htk", q, keys) * scale
+    logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(logits.dtype).view(-1, 1, 1).expand(-1, q.shape[0], 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    probs = combined.softmax(dim=-1)[..., :-1].to(keys.dtype)
+    return torch.einsum("htk,kc->thc", probs, keys)
+
+
+def layer_cache_widths(
+    cfg: DeepseekV4Config, layer: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(token caches, pool caches) row widths of layer ``layer``, in its cache order:
+    window rows; on compressed layers the compressor's ``kv | gate`` inputs (CSA: then the
+    indexer's); then the pool (CSA: then the indexer's key pool)."""
+    kind, c = cfg.layer_types[layer], cfg.head_dim
+    if kind == SLIDING:
+        return (c,), ()
+    if kind == CSA:
+        return (c, 4 * c, 4 * cfg.index_head_dim), (c, cfg.index_head_dim)
+    return (c, 2 * c), (c,)
