@@ -63,6 +63,7 @@ STORED_DTYPES = {
     "F64": torch.float64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,  # ue8m0 scales (DeepSeek-V4's FP8 and FP4 weights)
 }
 
 

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 _NOT_IN_GRAPH = {
     "models/weights.py",
     "models/loader.py",
+    "models/safetensors_file.py",  # reads bytes; the modules it fills are keyed
     "models/attention_path.py",
     "passes/report.py",
     "passes/report_html.py",
