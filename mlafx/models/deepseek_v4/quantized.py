@@ -1,0 +1,104 @@
+"""V4's modules over the bytes DeepSeek publishes: FP8 e4m3 block-scaled linears
+(``models/fp8.Fp8Linear``; here also the grouped ``o_a_proj``) and routed experts in FP4 e2m1
+with ue8m0 scales per 32 (``kernels/fp4_format.py``) or in block FP8.
+
+Eager, as the reference: each weight (an expert's, when the expert runs) is dequantized to
+float32 and multiplied in float32, the result rounded once to x's dtype; the bytes stay as
+stored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlafx.kernels.fp4_format import dequantize_fp4
+from mlafx.kernels.fp8_format import dequantize_fp8
+from mlafx.models.deepseek_v4.moe import clamped_swiglu
+from mlafx.models.moe import check_expert_ids, grouped_by_expert
+
+
+class Fp8GroupedLinear(nn.Module):
+    """``GroupedLinear`` over a block-FP8 weight [groups * out, in] and its float32 scales."""
+
+    weight: torch.Tensor
+    weight_scale_inv: torch.Tensor
+
+    def __init__(
+        self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], groups: int
+    ) -> None:
+        super().__init__()
+        self.groups, self.block = groups, block
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale_inv", scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, groups, in] -> [T, groups * out]."""
+        w = dequantize_fp8(self.weight, self.weight_scale_inv, self.block)
+        w = w.view(self.groups, -1, w.shape[1])
+        return torch.einsum("tgi,goi->tgo", x.float(), w).flatten(1).to(x.dtype)
+
+
+class StoredExperts(nn.Module):
+    """``ClampedExperts`` over stored expert stacks: ``fmt`` "fp4" (``gate_up_weight`` int8
+    [E, 2I, D/2], ``gate_up_scale`` ue8m0 [E, 2I, D/32]; ``down_weight`` [E, D, I/2],
+    ``down_scale`` [E, D, I/32]) or "fp8" (float8_e4m3fn [E, 2I, D] / [E, D, I] with float32
+    block scales, the gate's blocks then the up's)."""
+
+    gate_up_weight: torch.Tensor
+    gate_up_scale: torch.Tensor
+    down_weight: torch.Tensor
+    down_scale: torch.Tensor
+
+    def __init__(
+        self,
+        fmt: str,
+        gate_up: tuple[torch.Tensor, torch.Tensor],
+        down: tuple[torch.Tensor, torch.Tensor],
+        limit: float,
+        block: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        if fmt not in ("fp4", "fp8") or (fmt == "fp8") != (block is not None):
+            raise ValueError(f"stored experts are fp4, or fp8 with a block, not {fmt!r}")
+        self.fmt, self.limit, self.block = fmt, limit, block
+        self.register_buffer("gate_up_weight", gate_up[0])
+        self.register_buffer("gate_up_scale", gate_up[1])
+        self.register_buffer("down_weight", down[0])
+        self.register_buffer("down_scale", down[1])
+
+    def dequantized(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``expert``'s (gate_up [2I, D], down [D, I]) in float32."""
+        if self.fmt == "fp4":
+            return (
+                dequantize_fp4(self.gate_up_weight[expert], self.gate_up_scale[expert]),
+                dequantize_fp4(self.down_weight[expert], self.down_scale[expert]),
+            )
+        assert self.block is not None
+        half = self.gate_up_scale.shape[1] // 2  # the gate's scale rows, then the up's
+        w13, s13 = self.gate_up_weight[expert], self.gate_up_scale[expert]
+        inter = w13.shape[0] // 2
+        gate_up = torch.cat(
+            [
+                dequantize_fp8(w13[:inter], s13[:half], self.block),
+                dequantize_fp8(w13[inter:], s13[half:], self.block),
+            ]
+        )
+        return gate_up, dequantize_fp8(
+            self.down_weight[expert], self.down_scale[expert], self.block
+        )
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        num_experts = self.gate_up_weight.shape[0]
+        check_expert_ids(ids, num_experts)
+
+        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up, down = self.dequantized(expert)
+            gate, up = F.linear(rows.float(), gate_up).to(x.dtype).chunk(2, dim=-1)
+            return F.linear(clamped_swiglu(gate, up, self.limit).float(), down).to(x.dtype)
+
+        return grouped_by_expert(x, ids, weights, num_experts, expert_mlp)
+
+    def extra_repr(self) -> str:
+        return f"fmt={self.fmt}, num_experts={self.gate_up_weight.shape[0]}, limit={self.limit}"
