@@ -26,7 +26,7 @@ def test_transformers_config_round_trips():
     assert cfg.main_rope.theta == 10000.0 and cfg.main_rope.scaling is None
     yarn = cfg.compress_rope.scaling
     assert cfg.compress_rope.theta == 160000.0 and yarn is not None
-    assert (yarn.factor, yarn.original_max_position_embeddings) == (4.0, 64)
+    assert (yarn.factor, yarn.original_max_position_embeddings) == (4.0, 128)
     assert yarn.cos_sin_scale == 1.0  # transformers' V4 default attention_factor
 
 
@@ -41,7 +41,7 @@ def test_deepseek_keys_give_the_same_config():
         compress_ratios=[0, 4, 128, 4],
         compress_rate_hca=16,
         num_hash_layers=1,
-        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
     )
     cfg = DeepseekV4Config.from_hf_dict(raw)
     want = DeepseekV4Config.from_hf_dict(
@@ -71,3 +71,10 @@ def test_invalid_fields_are_named(override, field):
 def test_the_engine_still_refuses_v4_naming_what_it_lacks():
     with pytest.raises(ConfigError, match="deepseek_v4.*engine"):
         ModelConfig.from_hf_dict(_transformers_dict())
+
+
+def test_yarn_factor_defaults_to_the_context_ratio():
+    raw = _transformers_dict()
+    del raw["rope_parameters"]["compress"]["factor"]
+    yarn = DeepseekV4Config.from_hf_dict(raw).compress_rope.scaling
+    assert yarn is not None and yarn.factor == 512 / 128

@@ -34,8 +34,8 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, label: str) -> None:
 @pytest.mark.parametrize("block_size", [4, 16, 32])
 @pytest.mark.parametrize(
     "chunks",
-    [[70], [5, 13, 1, 1, 30, 20], [3, 14, 1, 2, 17, 33]],
-    ids=["whole", "edges-in-windows", "odd-edges"],
+    [[70], [5, 13, 1, 1, 30, 20], [3, 14, 1, 2, 17, 33], [100, 3, 61, 1, 1, 124]],
+    ids=["whole", "edges-in-windows", "odd-edges", "290-tokens"],
 )
 def test_chunked_prefill_matches_the_cache_free_forward(models, block_size, chunks):
     hf, model = models

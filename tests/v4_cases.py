@@ -43,8 +43,8 @@ TINY_V4 = dict(
     index_head_dim=16,
     index_topk=3,
     hc_mult=3,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    max_position_embeddings=256,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    max_position_embeddings=512,
     initializer_range=0.2,
 )
 
