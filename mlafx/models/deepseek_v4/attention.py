@@ -75,7 +75,7 @@ class V4Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, D]
-        caches: list[torch.Tensor],  # this layer's (``layer_cache_shapes``), written in place
+        caches: list[torch.Tensor],  # this layer's (``layer_cache_widths`` order), written in place
         meta: V4StepMetadata,
     ) -> torch.Tensor:  # [T, D]
         cfg, rope = self.cfg, self.rotary
