@@ -49,8 +49,13 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, groups, in] -> [T, groups * out]."""
-        w = self.weight.view(self.groups, -1, self.weight.shape[1])  # [g, out, in]
-        return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+        return grouped_linear(x, self.weight, self.groups)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [T, groups, in] by weight [groups * out, in] (group-major) -> [T, groups * out]."""
+    w = weight.view(groups, -1, weight.shape[1])  # [g, out, in]
+    return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
 
 
 class V4Attention(nn.Module):

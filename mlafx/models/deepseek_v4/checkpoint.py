@@ -40,6 +40,7 @@ from mlafx.models.deepseek_v4.moe import ClampedExperts
 from mlafx.models.deepseek_v4.quantized import Fp8GroupedLinear, StoredExperts
 from mlafx.models.deepseek_v4.rope import V4RotaryEmbedding
 from mlafx.models.fp8 import Fp8Linear
+from mlafx.models.packed_int4_checkpoint import replace_module
 from mlafx.models.safetensors_file import map_file
 from mlafx.models.weights import WeightLoadError, checkpoint_files
 
@@ -237,7 +238,7 @@ def _install_quantized(
                 if isinstance(module, GroupedLinear)
                 else Fp8Linear(weight, fscale, block)
             )
-            _replace(model, name, replacement)
+            replace_module(model, name, replacement)
         elif isinstance(module, ClampedExperts):
             experts = _expert_parts(name, stored, used)
             if experts:
@@ -311,7 +312,7 @@ def _install_experts(
         gate_up = (gate_up[0], _float_scale(gate_up[1]))
         down = (down[0], _float_scale(down[1]))
     fp8_block = block if kind == "fp8" else None
-    _replace(model, name, StoredExperts(kind, gate_up, down, cfg.swiglu_limit, fp8_block))
+    replace_module(model, name, StoredExperts(kind, gate_up, down, cfg.swiglu_limit, fp8_block))
     return []
 
 
@@ -325,11 +326,6 @@ def _kind(weight: torch.Tensor, scale: torch.Tensor | None) -> str:
         if weight.dtype in (torch.int8, torch.uint8)
         else f"unknown {weight.dtype}"
     )
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
 def _copy_the_rest(

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlafx.kernels.fp4_format import dequantize_fp4
-from mlafx.kernels.fp8_format import dequantize_fp8
+from mlafx.kernels.fp8_format import dequantize_fp8, dequantize_gate_up
+from mlafx.models.deepseek_v4.attention import grouped_linear
 from mlafx.models.deepseek_v4.moe import clamped_swiglu
 from mlafx.models.moe import check_expert_ids, grouped_by_expert
 
@@ -36,8 +37,7 @@ class Fp8GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, groups, in] -> [T, groups * out]."""
         w = dequantize_fp8(self.weight, self.weight_scale_inv, self.block)
-        w = w.view(self.groups, -1, w.shape[1])
-        return torch.einsum("tgi,goi->tgo", x.float(), w).flatten(1).to(x.dtype)
+        return grouped_linear(x.float(), w, self.groups).to(x.dtype)
 
 
 class StoredExperts(nn.Module):
@@ -76,17 +76,10 @@ class StoredExperts(nn.Module):
                 dequantize_fp4(self.down_weight[expert], self.down_scale[expert]),
             )
         assert self.block is not None
-        half = self.gate_up_scale.shape[1] // 2  # the gate's scale rows, then the up's
-        w13, s13 = self.gate_up_weight[expert], self.gate_up_scale[expert]
-        inter = w13.shape[0] // 2
-        gate_up = torch.cat(
-            [
-                dequantize_fp8(w13[:inter], s13[:half], self.block),
-                dequantize_fp8(w13[inter:], s13[half:], self.block),
-            ]
-        )
-        return gate_up, dequantize_fp8(
-            self.down_weight[expert], self.down_scale[expert], self.block
+        w2, s2 = self.down_weight[expert], self.down_scale[expert]
+        return (
+            dequantize_gate_up(self.gate_up_weight[expert], self.gate_up_scale[expert], self.block),
+            dequantize_fp8(w2, s2, self.block),
         )
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
