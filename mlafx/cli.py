@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES, ModelConfig
+from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES, ServedConfig
 from mlafx.parallel import TensorParallelError
 from mlafx.runtime import LLM, RequestOutput, SamplingParams
 from mlafx.runtime.kv_connector.base import KVConnectorError
@@ -363,7 +363,7 @@ class _RunReport:
     """What ``mlafx run`` prints: as JSON (``--json``) or as text."""
 
     args: argparse.Namespace
-    config: ModelConfig
+    config: ServedConfig
     load_seconds: float
     outputs: list[RequestOutput]
     stats: dict[str, Any]
@@ -443,7 +443,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     args.num_kv_blocks = args.num_kv_blocks or num_sample_blocks(args.block_size)
     args.compile = False  # the reference model, which inspect captures and lowers itself
     llm = build_llm(args)
-    assert llm.model is not None  # compile=False: the reference model
+    from mlafx.models.deepseek import MLAForCausalLM
+
+    if not isinstance(llm.model, MLAForCausalLM):  # compile=False: the reference model
+        raise ValueError(
+            f"mlafx inspect captures and lowers MLA models; {llm.config.model_type} has no "
+            "lowering yet (it is served by its reference model only)"
+        )
     start = time.perf_counter()
     captured = capture_step(llm.model, args.block_size)
     capture_seconds = time.perf_counter() - start

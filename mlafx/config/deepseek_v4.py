@@ -13,6 +13,7 @@ rope), like transformers' ``DeepseekV4Config``. Every error names the field.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,9 @@ LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 _RATIO_LAYER_TYPES = {0: SLIDING, 4: CSA, 128: HCA}  # DeepSeek's compress_ratios
+# Version of the bytes the caches hold (``layer_cache_widths``, ``models/deepseek_v4``): bump it
+# whenever a row's layout changes, so a KV store never serves stale rows.
+CACHE_LAYOUT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -93,9 +97,50 @@ class DeepseekV4Config:
         rates = {self.compress_rate(i) for i in range(self.num_hidden_layers)} - {0}
         return tuple(sorted(rates))
 
+    def layer_cache_widths(self, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(token caches, pool caches) row widths of layer ``layer``, in its cache order:
+        window rows; on compressed layers the compressor's ``kv | gate`` inputs (CSA: two
+        series, then the indexer's); then the pool (CSA: then the indexer's key pool)."""
+        kind, c = self.layer_types[layer], self.head_dim
+        if kind == SLIDING:
+            return (c,), ()
+        if kind == CSA:
+            return (c, 4 * c, 4 * self.index_head_dim), (c, self.index_head_dim)
+        return (c, 2 * c), (c,)
+
+    def cache_block_shapes(self, block_size: int) -> tuple[tuple[int, int], ...]:
+        """Every cache of the step, layer by layer, as the shape of one of its blocks
+        ``(rows, width)``: token caches hold ``block_size`` rows, pool caches
+        ``pool_rows_per_block(rate, block_size)`` entries (``models/deepseek_v4/step.py``)."""
+        shapes: list[tuple[int, int]] = []
+        for layer in range(self.num_hidden_layers):
+            tokens, pools = self.layer_cache_widths(layer)
+            shapes += [(block_size, w) for w in tokens]
+            rows = pool_rows_per_block(self.compress_rate(layer), block_size) if pools else 0
+            shapes += [(rows, w) for w in pools]
+        return tuple(shapes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields, the model type and the cache layout's version (the cache fingerprint's
+        facts: ``runtime/block_hash.py``)."""
+        return {
+            "model_type": self.model_type,
+            "cache_layout": CACHE_LAYOUT_VERSION,
+            **dataclasses.asdict(self),
+        }
+
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> DeepseekV4Config:
         return _parse(raw)
+
+
+def pool_rows_per_block(rate: int, block_size: int) -> int:
+    """Pool entries one cache block holds (``ValueError`` unless one divides the other)."""
+    if block_size % rate and rate % block_size:
+        raise ValueError(
+            f"block size {block_size} and compression rate {rate}: one must divide the other"
+        )
+    return max(1, block_size // rate)
 
 
 def _int(cfg: dict[str, Any], key: str, default: int | None = None, minimum: int = 1) -> int:

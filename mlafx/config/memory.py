@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from mlafx.config.model_config import ConfigError, ModelConfig
+from mlafx.config.served_config import ServedConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -113,6 +114,13 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: str) -> int:
     """One row of every cache (``ModelConfig.cache_widths``): a latent row (Lkv + R) per MLA
     block (LongCat-Flash: two per layer), and a DSA indexer's key row."""
     return sum(cfg.cache_widths) * dtype_bytes(dtype)
+
+
+def kv_bytes_per_block(cfg: ServedConfig, dtype: str, block_size: int) -> int:
+    """One block of every cache (``cache_block_shapes``): ``block_size`` times
+    ``kv_bytes_per_token`` for an MLA model; DeepSeek-V4's pool caches hold fewer rows."""
+    rows = sum(r * w for r, w in cfg.cache_block_shapes(block_size))
+    return rows * dtype_bytes(dtype)
 
 
 def available_memory_bytes() -> int:

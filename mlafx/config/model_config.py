@@ -69,9 +69,9 @@ UNSUPPORTED_MLA_MODEL_TYPES = {
     "glm5_next": "KDA linear-attention layers, hyper-connections and a pooled DSA indexer",
     "glm5_next_text": "KDA linear-attention layers, hyper-connections and a pooled DSA indexer",
     "kimi_linear": "KDA linear-attention layers (a hybrid: 3 of 4 layers are not MLA)",
-    "deepseek_v4": "the engine to drive its own step (mlafx.models.deepseek_v4 holds the "
-    "reference model over its paged caches; the scheduler, compiled path and checkpoint "
-    "formats do not serve it yet)",
+    "deepseek_v4": "its own step, which only LLM(checkpoint, compile=False) serves (the "
+    "reference model of mlafx.models.deepseek_v4); the compiled step, export, inspect and "
+    "tensor parallelism do not take it yet",
 }
 # Sparse-attention model types refused: a DSA variant mlafx does not serve (any other config
 # with ``index_topk`` is refused too).
@@ -289,6 +289,11 @@ class ModelConfig:
     def cache_widths(self) -> tuple[int, ...]:
         """Row width of every cache of the step, layer by layer (``layer_cache_widths``)."""
         return tuple(w for i in range(self.num_hidden_layers) for w in self.layer_cache_widths(i))
+
+    def cache_block_shapes(self, block_size: int) -> tuple[tuple[int, int], ...]:
+        """Every cache of the step as the shape of one of its blocks ``(rows, width)``: all
+        hold ``block_size`` token rows (``cache_widths``)."""
+        return tuple((block_size, width) for width in self.cache_widths)
 
     @property
     def num_caches(self) -> int:

@@ -15,7 +15,7 @@ import json
 from array import array
 from collections.abc import Sequence
 
-from mlafx.config import ModelConfig
+from mlafx.config import ServedConfig
 from mlafx.models.step import CACHE_LAYOUT_VERSION
 
 BlockHash = bytes  # 32-byte SHA-256 digest
@@ -40,7 +40,7 @@ def full_block_hashes(
     return keys
 
 
-def cache_fingerprint(config: ModelConfig, dtype: str, block_size: int) -> str:
+def cache_fingerprint(config: ServedConfig, dtype: str, block_size: int) -> str:
     """Hex digest of everything that decides a cached block's bytes besides its tokens."""
     facts = {
         "config": config.to_dict(),

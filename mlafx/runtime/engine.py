@@ -20,13 +20,19 @@ from typing import Any, cast
 
 import torch
 
-from mlafx.config import ModelConfig, check_fits_in_memory
+from mlafx.config import ModelConfig, ServedConfig, check_fits_in_memory
+from mlafx.config.deepseek_v4 import DeepseekV4Config
 from mlafx.models.loader import torch_dtype
 from mlafx.models.step import StepFn
 from mlafx.parallel import WorkerGroup
 from mlafx.runtime.block_hash import cache_fingerprint
 from mlafx.runtime.block_manager import BlockManager
 from mlafx.runtime.chat_template import ChatTemplate
+from mlafx.runtime.deepseek_v4_source import (
+    check_deepseek_v4_options,
+    deepseek_v4_source,
+    is_deepseek_v4,
+)
 from mlafx.runtime.engine_core import EngineCore
 from mlafx.runtime.kv_connector.base import KVConnector
 from mlafx.runtime.options import ServingOptions
@@ -121,7 +127,11 @@ class LLM:
             if options is not None:
                 raise TypeError("LLM(model, ...) takes the serving options as keywords")
             build, options = split_options(kwargs)
-            cfg = check_model_options(model, build, options)
+            cfg = (
+                check_deepseek_v4_options(model, build, options)
+                if is_deepseek_v4(model)
+                else check_model_options(model, build, options)
+            )
             if build.tensor_parallel_size != 1 and kv_connector is not None:
                 raise ValueError(
                     "kv_connector is not supported with tensor_parallel_size > 1 (the latent "
@@ -130,7 +140,10 @@ class LLM:
             # a bad store spec fails here, before the (slow) model build and compile
             connector = connect_kv_store(kv_connector, cfg, build.dtype, options.block_size)
             try:
-                source = model_source(model, cfg, build, options)
+                if isinstance(cfg, DeepseekV4Config):
+                    source = deepseek_v4_source(model, cfg, build, options)
+                else:
+                    source = model_source(model, cfg, build, options)
             except BaseException:
                 if connector is not None and connector is not kv_connector:
                     connector.close()  # we opened it
@@ -172,6 +185,7 @@ class LLM:
         assert source.artifact is not None
         options = ServingOptions(block_size=source.artifact.block_size, **serving)
         cfg = source.config
+        assert isinstance(cfg, ModelConfig)  # artifacts hold MLA models
         check_fits_in_memory(
             cfg, source.dtype, options.num_blocks(cfg, source.dtype) * options.block_size
         )
@@ -479,7 +493,7 @@ class LLM:
 
 
 def connect_kv_store(
-    spec: str | KVConnector | None, config: ModelConfig, dtype: str, block_size: int
+    spec: str | KVConnector | None, config: ServedConfig, dtype: str, block_size: int
 ) -> KVConnector | None:
     """The engine's KV connector: built from a spec string, or checked to match this
     engine's cache (an incompatible store must never be loaded)."""

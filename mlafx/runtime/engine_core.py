@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from mlafx.config import ModelConfig
+from mlafx.config import ModelConfig, ServedConfig
 from mlafx.kernels import batch_invariant_mode
 from mlafx.models.attention_path import split_threshold
 from mlafx.models.step import StepFn
@@ -38,7 +38,7 @@ class EngineCore:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ServedConfig,
         step_fn: StepFn,
         *,
         dtype: torch.dtype,
@@ -63,7 +63,7 @@ class EngineCore:
         # None: no cost rule, every span absorbed (models/step.py)
         self.split_threshold = (
             None
-            if batch_invariant
+            if batch_invariant or not isinstance(config, ModelConfig)  # V4: one path
             else split_threshold(config, attention_path_costs(config, dtype))
         )
         self.step_fn = step_fn
@@ -71,11 +71,13 @@ class EngineCore:
         self.key_rows = step_fn.reads_key_rows
         self.block_size = block_size
         self.max_model_len = max_model_len
-        # The paged caches, [num_blocks, block_size, width] each with no head axis: a latent
-        # cache (Lkv + R) per MLA block, and a DSA indexer's keys (``ModelConfig.cache_widths``);
-        # all share the block ids and block tables.
+        # The paged caches, [num_blocks, rows, width] each with no head axis
+        # (``cache_block_shapes``): an MLA model's hold ``block_size`` token rows (a latent
+        # cache per MLA block, a DSA indexer's keys); DeepSeek-V4's pools hold one entry per
+        # ``compress_rate`` tokens. All share the block ids and block tables.
         self.kv_caches = [
-            torch.zeros(num_blocks, block_size, width, dtype=dtype) for width in config.cache_widths
+            torch.zeros(num_blocks, rows, width, dtype=dtype)
+            for rows, width in config.cache_block_shapes(block_size)
         ]
         self.blocks = BlockManager(num_blocks, enable_prefix_caching=enable_prefix_caching)
         self.stats = EngineStats()
@@ -97,9 +99,13 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # unfinished, by id
 
     def _copy_rows(self, src: int, dst: int, rows: int) -> None:
-        """Cache rows ``0 .. rows-1`` of block ``src`` into block ``dst``, every layer."""
+        """The cache rows of tokens ``0 .. rows-1`` of block ``src`` into block ``dst``, every
+        cache: a pool of ``per_block`` entries per block copies the entries those tokens
+        closed (``rows * per_block // block_size``: entry ``j`` closes at token
+        ``(j + 1) * rate - 1`` of the block)."""
         for cache in self.kv_caches:
-            cache[dst, :rows] = cache[src, :rows]
+            count = rows * cache.shape[1] // self.block_size
+            cache[dst, :count] = cache[src, :count]
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlafx.config import ModelConfig, kv_bytes_per_token
+from mlafx.config import ServedConfig, kv_bytes_per_block
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # bytes, when neither num_kv_blocks nor kv_cache_memory is given
 
@@ -41,7 +41,7 @@ class ServingOptions:
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give num_kv_blocks or kv_cache_memory, not both")
 
-    def resolved_max_model_len(self, cfg: ModelConfig) -> int:
+    def resolved_max_model_len(self, cfg: ServedConfig) -> int:
         limit = cfg.max_position_embeddings
         length = limit if self.max_model_len is None else self.max_model_len
         if not 2 <= length <= limit:
@@ -50,7 +50,7 @@ class ServingOptions:
             )
         return length
 
-    def num_blocks(self, cfg: ModelConfig, dtype: str) -> int:
+    def num_blocks(self, cfg: ServedConfig, dtype: str) -> int:
         """KV blocks of the cache (block 0 included, and reserved)."""
         if self.num_kv_blocks is not None:
             blocks = self.num_kv_blocks
@@ -58,7 +58,7 @@ class ServingOptions:
             memory = (
                 DEFAULT_KV_CACHE_MEMORY if self.kv_cache_memory is None else self.kv_cache_memory
             )
-            blocks = memory // (kv_bytes_per_token(cfg, dtype) * self.block_size)
+            blocks = memory // kv_bytes_per_block(cfg, dtype, self.block_size)
         if blocks < 2:
             raise ValueError(
                 f"the KV cache holds {blocks} block(s) of {self.block_size} tokens; at least 2 "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlafx.config import ModelConfig, check_fits_in_memory
+from mlafx.config import ModelConfig, ServedConfig, check_fits_in_memory
 from mlafx.config.presets import PRESETS
 from mlafx.models.loader import (
     DTYPES,
@@ -32,16 +32,18 @@ if TYPE_CHECKING:
     from mlafx.compile.compiled_step import CompiledStep
     from mlafx.export.artifact import LoadedArtifact
     from mlafx.models.deepseek import MLAForCausalLM
+    from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 
 @dataclass(frozen=True)
 class StepSource:
     """A step callable with its config and dtype, and what it came from."""
 
-    config: ModelConfig
+    config: ServedConfig
     dtype: str  # "float32" | "bfloat16" | "float16"
     step_fn: StepFn
-    model: MLAForCausalLM | None = None  # the reference model (None: artifact, workers)
+    # the reference model (None: artifact, workers)
+    model: MLAForCausalLM | DeepseekV4ForCausalLM | None = None
     compiled: CompiledStep | None = None  # the compiled step, when the engine serves one
     artifact: LoadedArtifact | None = None
     workers: WorkerGroup | None = None  # tensor-parallel ranks (they are the step)

@@ -80,7 +80,7 @@ class V4Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, D]
-        caches: list[torch.Tensor],  # this layer's (``layer_cache_widths`` order), written in place
+        caches: list[torch.Tensor],  # ``cfg.layer_cache_widths(layer)`` order, written in place
         meta: V4StepMetadata,
     ) -> torch.Tensor:  # [T, D]
         cfg, rope = self.cfg, self.rotary
@@ -145,17 +145,3 @@ def attend_with_sinks(
     combined = combined - combined.amax(dim=-1, keepdim=True)
     probs = combined.softmax(dim=-1)[..., :-1].to(keys.dtype)
     return torch.einsum("htk,kc->thc", probs, keys)
-
-
-def layer_cache_widths(
-    cfg: DeepseekV4Config, layer: int
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(token caches, pool caches) row widths of layer ``layer``, in its cache order:
-    window rows; on compressed layers the compressor's ``kv | gate`` inputs (CSA: then the
-    indexer's); then the pool (CSA: then the indexer's key pool)."""
-    kind, c = cfg.layer_types[layer], cfg.head_dim
-    if kind == SLIDING:
-        return (c,), ()
-    if kind == CSA:
-        return (c, 4 * c, 4 * cfg.index_head_dim), (c, cfg.index_head_dim)
-    return (c, 2 * c), (c,)

@@ -2,7 +2,8 @@
 
 DeepSeek's names (``layers.{i}.attn.wq_a.weight``, ``layers.{i}.ffn.experts.{j}.w1.weight``,
 ``hc_head_fn``, ...) become transformers' in-memory names by the renames of transformers'
-conversion mapping (``_RENAMES``); keys already in transformers' names load as they are;
+conversion mapping (``_RENAMES``), also under ``model.`` (transformers' ``save_pretrained``
+writes them so); keys already in transformers' in-memory names load as they are;
 ``mtp.*`` (the multi-token-prediction layer) is skipped with one log line. A weight with a
 sibling ``<m>.scale`` (or ``<m>.weight_scale_inv``) is stored quantized:
 - ``F8_E4M3`` with block scales (``quantization_config.weight_block_size``; ue8m0 or float32):
@@ -80,7 +81,7 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3|gate_proj|down_proj
 _EXPERT_PART = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up"}
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 # transformers' _keep_in_fp32_modules_strict for V4
-_FLOAT32 = re.compile(
+FLOAT32_NAMES = re.compile(
     r"(attn_hc|ffn_hc|hc_head|\.sinks$|position_bias|e_score_correction_bias|q_a_norm|kv_norm|"
     r"input_layernorm|post_attention_layernorm|^model\.norm\.)"
 )
@@ -89,9 +90,12 @@ Stored = tuple[torch.Tensor, torch.Tensor | None]  # (weight, scale or None)
 
 
 def in_memory_name(key: str) -> str:
-    """transformers' in-memory name of checkpoint key ``key`` (DeepSeek's or its own)."""
-    if key.startswith(("model.", "lm_head.")):
+    """transformers' in-memory name of checkpoint key ``key``: DeepSeek's names, the same
+    under ``model.`` (what transformers' ``save_pretrained`` writes) and in-memory names (left
+    as they are: no rename matches one)."""
+    if key.startswith("lm_head."):
         return key
+    key = key.removeprefix("model.")
     for pattern, replacement in _RENAMES:
         key = re.sub(pattern, replacement, key)
     return key if key.startswith("lm_head.") else f"model.{key}"
@@ -353,7 +357,7 @@ def _copy_the_rest(
         if not target.dtype.is_floating_point:
             want = target.dtype
         else:
-            want = torch.float32 if _FLOAT32.search(name) else dtype
+            want = torch.float32 if FLOAT32_NAMES.search(name) else dtype
         value = source.to(want, copy=True)
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent)

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from mlafx.config.deepseek_v4 import DeepseekV4Config
-from mlafx.models.deepseek_v4.attention import V4Attention, layer_cache_widths
+from mlafx.models.deepseek_v4.attention import V4Attention
 from mlafx.models.deepseek_v4.compressor import FloatRMSNorm
 from mlafx.models.deepseek_v4.hyper_connection import HyperConnection, HyperHead, expand_streams
 from mlafx.models.deepseek_v4.moe import V4MoE
-from mlafx.models.deepseek_v4.step import V4StepMetadata, pool_rows_per_block
+from mlafx.models.deepseek_v4.step import V4StepMetadata
 
 
 class V4DecoderLayer(nn.Module):
@@ -90,19 +90,12 @@ def cache_shapes(
     cfg: DeepseekV4Config, num_blocks: int, block_size: int
 ) -> list[tuple[int, int, int]]:
     """Every cache of the step, layer by layer: token caches [NB, BS, width], then pool caches
-    [NB, entries per block, width] (``attention.layer_cache_widths``)."""
-    shapes = []
-    for layer in range(cfg.num_hidden_layers):
-        tokens, pools = layer_cache_widths(cfg, layer)
-        shapes += [(num_blocks, block_size, w) for w in tokens]
-        if pools:
-            per_block = pool_rows_per_block(cfg.compress_rate(layer), block_size)
-            shapes += [(num_blocks, per_block, w) for w in pools]
-    return shapes
+    [NB, entries per block, width] (``DeepseekV4Config.cache_block_shapes``)."""
+    return [(num_blocks, rows, width) for rows, width in cfg.cache_block_shapes(block_size)]
 
 
 def caches_by_layer(cfg: DeepseekV4Config, caches: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    counts = [sum(map(len, layer_cache_widths(cfg, i))) for i in range(cfg.num_hidden_layers)]
+    counts = [sum(map(len, cfg.layer_cache_widths(i))) for i in range(cfg.num_hidden_layers)]
     if len(caches) != sum(counts):
         raise ValueError(f"{len(caches)} caches for the model's {sum(counts)}")
     out, start = [], 0

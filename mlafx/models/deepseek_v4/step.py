@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mlafx.config.deepseek_v4 import pool_rows_per_block
+
 
 @dataclass(frozen=True)
 class SequenceStep:
@@ -90,15 +92,6 @@ class V4StepMetadata:
             if p.rate == rate:
                 return p
         raise KeyError(f"the step has no pool of compression rate {rate}")
-
-
-def pool_rows_per_block(rate: int, block_size: int) -> int:
-    """Pool entries one cache block holds (``ValueError`` unless one divides the other)."""
-    if block_size % rate and rate % block_size:
-        raise ValueError(
-            f"block size {block_size} and compression rate {rate}: one must divide the other"
-        )
-    return max(1, block_size // rate)
 
 
 def _token_slot(block_table: Sequence[int], position: int, block_size: int) -> int:

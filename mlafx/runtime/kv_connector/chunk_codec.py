@@ -1,8 +1,9 @@
 """One stored chunk as bytes: a safetensors blob that describes and checks itself.
 
-A chunk is ``chunk_blocks`` consecutive cache blocks of every layer. Its bytes are a
-safetensors file with one tensor per layer, ``layer.{i}: [chunk_blocks, block_size, Lkv+R]``
-in the cache dtype, and string metadata::
+A chunk is ``chunk_blocks`` consecutive cache blocks of every cache. Its bytes are a
+safetensors file with one tensor per cache, ``layer.{i}: [chunk_blocks, rows, width]`` in the
+cache dtype (``rows``: ``block_size`` token rows, or a DeepSeek-V4 pool's entries per block),
+and string metadata::
 
     format       "mlafx-kv-chunk/1"
     fingerprint  the cache fingerprint (hex) the rows were computed under
@@ -42,19 +43,24 @@ class ChunkSpec:
     block_size: int
     chunk_blocks: int
     dtype: torch.dtype
-    row_widths: tuple[int, ...]  # Lkv+R of each layer's cache
+    block_shapes: tuple[tuple[int, int], ...]  # (rows, width) of one block of each cache
 
     @classmethod
     def for_caches(
-        cls, fingerprint: str, key: bytes, chunk_blocks: int, caches: Sequence[torch.Tensor]
+        cls,
+        fingerprint: str,
+        key: bytes,
+        block_size: int,
+        chunk_blocks: int,
+        caches: Sequence[torch.Tensor],
     ) -> ChunkSpec:
         return cls(
             fingerprint=fingerprint,
             key=key,
-            block_size=caches[0].shape[1],
+            block_size=block_size,
             chunk_blocks=chunk_blocks,
             dtype=caches[0].dtype,
-            row_widths=tuple(cache.shape[2] for cache in caches),
+            block_shapes=tuple((cache.shape[1], cache.shape[2]) for cache in caches),
         )
 
     def metadata(self, checksum: str) -> dict[str, str]:
@@ -64,14 +70,14 @@ class ChunkSpec:
             "key": self.key.hex(),
             "block_size": str(self.block_size),
             "chunk_blocks": str(self.chunk_blocks),
-            "num_layers": str(len(self.row_widths)),
+            "num_layers": str(len(self.block_shapes)),
             "dtype": _dtype_name(self.dtype),
             "sha256": checksum,
         }
 
 
 def encode_chunk(spec: ChunkSpec, layers: Sequence[torch.Tensor]) -> bytes:
-    """Serialise ``layers`` (``[chunk_blocks, block_size, width]`` each, ``spec``'s shapes
+    """Serialise ``layers`` (``[chunk_blocks, rows, width]`` each, ``spec``'s shapes
     and dtype) as ``spec``'s chunk."""
     tensors = {f"layer.{i}": layer.contiguous() for i, layer in enumerate(layers)}
     return st_save(tensors, metadata=spec.metadata(_checksum(tensors.values())))
@@ -89,7 +95,7 @@ def decode_chunk(spec: ChunkSpec, data: bytes) -> list[torch.Tensor]:
         tensors = st_load(data)
     except Exception as e:  # safetensors raises its own error type for bad buffers
         raise ChunkDecodeError(f"unreadable safetensors data: {e}") from e
-    names = [f"layer.{i}" for i in range(len(spec.row_widths))]
+    names = [f"layer.{i}" for i in range(len(spec.block_shapes))]
     if sorted(tensors) != sorted(names):
         raise ChunkDecodeError(f"tensor names {sorted(tensors)} are not layer.0..")
     layers = [tensors[name] for name in names]
@@ -117,10 +123,10 @@ def _read_metadata(data: bytes) -> dict[str, str]:
 
 
 def _check_layers(spec: ChunkSpec, layers: Sequence[torch.Tensor]) -> None:
-    if len(layers) != len(spec.row_widths):
-        raise ChunkDecodeError(f"{len(layers)} layers, expected {len(spec.row_widths)}")
-    for i, (layer, width) in enumerate(zip(layers, spec.row_widths, strict=True)):
-        shape = (spec.chunk_blocks, spec.block_size, width)
+    if len(layers) != len(spec.block_shapes):
+        raise ChunkDecodeError(f"{len(layers)} layers, expected {len(spec.block_shapes)}")
+    for i, (layer, block) in enumerate(zip(layers, spec.block_shapes, strict=True)):
+        shape = (spec.chunk_blocks, *block)
         if tuple(layer.shape) != shape or layer.dtype != spec.dtype:
             raise ChunkDecodeError(
                 f"layer {i} is {tuple(layer.shape)} {layer.dtype}, expected {shape} {spec.dtype}"

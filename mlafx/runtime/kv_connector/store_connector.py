@@ -85,7 +85,7 @@ class StoreConnector(KVConnector):
             if data is None:
                 log.warning("KV store %s: chunk %s vanished; loading stops", self.store, name)
                 break
-            spec = ChunkSpec.for_caches(self.fingerprint, keys[(chunk + 1) * cb - 1], cb, caches)
+            spec = self._spec(keys[(chunk + 1) * cb - 1], caches)
             try:
                 layers = decode_chunk(spec, data)
             except ChunkDecodeError as e:
@@ -111,7 +111,7 @@ class StoreConnector(KVConnector):
             if present:
                 continue
             src = torch.tensor(block_ids[chunk * cb : (chunk + 1) * cb], dtype=torch.int64)
-            spec = ChunkSpec.for_caches(self.fingerprint, keys[(chunk + 1) * cb - 1], cb, caches)
+            spec = self._spec(keys[(chunk + 1) * cb - 1], caches)
             self.store.put(
                 name, encode_chunk(spec, [cache.index_select(0, src) for cache in caches])
             )
@@ -126,14 +126,21 @@ class StoreConnector(KVConnector):
     def _chunk_name(self, keys: Sequence[BlockHash], chunk: int) -> str:
         return f"{keys[(chunk + 1) * self.chunk_blocks - 1].hex()}.c{self.chunk_blocks}"
 
+    def _spec(self, key: BlockHash, caches: list[torch.Tensor]) -> ChunkSpec:
+        return ChunkSpec.for_caches(
+            self.fingerprint, key, self.block_size, self.chunk_blocks, caches
+        )
+
     def _check_caches(self, caches: list[torch.Tensor]) -> None:
+        """Paged caches ``[num_blocks, rows, width]``: ``rows`` is the block size (token
+        rows) or divides it (a DeepSeek-V4 pool's entries per block)."""
         if not caches:
             raise ValueError("no caches given")
         for i, cache in enumerate(caches):
-            if cache.dim() != 3 or cache.shape[1] != self.block_size:
+            if cache.dim() != 3 or self.block_size % max(cache.shape[1], 1):
                 raise ValueError(
-                    f"cache {i} is {tuple(cache.shape)}; expected [num_blocks, "
-                    f"{self.block_size}, Lkv+R]"
+                    f"cache {i} is {tuple(cache.shape)}; expected [num_blocks, rows, width] "
+                    f"with rows dividing the block size {self.block_size}"
                 )
         if len({cache.dtype for cache in caches}) != 1:
             raise ValueError("caches of different dtypes")

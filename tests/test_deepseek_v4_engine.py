@@ -1,0 +1,148 @@
+"""DeepSeek-V4 served by ``LLM`` (the reference model through the engine loop): greedy tokens
+and logprobs against transformers' cache-free forward, with batching, chunk edges inside
+compression windows, prefix hits (whole blocks and copied leading rows), preemption and a
+KV-store reload in the mix.
+
+The reference is transformers' forward over each prompt plus the tokens mlafx drew, in one
+pass: row ``i`` is the exact next-token distribution after mlafx's first ``i`` tokens, so every
+drawn token is checked (its log-probability within 1e-4; it is the reference's top token, or
+second at a near-tie within 1e-4) even after a near-tie."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mlafx import LLM, SamplingParams
+from tests.v4_cases import reference_logprobs, transformers_v4
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return transformers_v4(seed=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf_model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("v4")
+    hf_model.save_pretrained(path)  # DeepSeek's names under ``model.``, as transformers writes
+    return path
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(97) for _ in range(n)] for n in lengths]
+
+
+def _llm(checkpoint, **options) -> LLM:
+    return LLM(str(checkpoint), compile=False, dtype="float32", progress=False, **options)
+
+
+def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 6):
+    return llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=1))
+
+
+def _check(hf_model, prompts, outputs) -> None:
+    for prompt, out in zip(prompts, outputs, strict=True):
+        got = out.outputs[0]
+        assert got.finish_reason == "length", got.error
+        tokens = got.token_ids
+        ref = reference_logprobs(hf_model, prompt + tokens)[len(prompt) - 1 : -1]
+        for i, (token, top) in enumerate(zip(tokens, got.logprobs, strict=True)):
+            best = ref[i].topk(2)
+            if token != int(best.indices[0]):
+                gap = float(best.values[0] - best.values[1])
+                assert token == int(best.indices[1]) and gap <= TOL, (
+                    f"prompt of {len(prompt)}: token {i} is {token}, the reference's top is "
+                    f"{int(best.indices[0])} ({gap:.3g} ahead): no near-tie"
+                )
+            err = abs(top[token] - float(ref[i, token]))
+            assert err <= TOL, f"prompt of {len(prompt)}: token {i}'s logprob off by {err:.3g}"
+
+
+def test_a_batch_with_chunk_edges_inside_compression_windows(hf_model, checkpoint):
+    """Prompts of 1 to 290 tokens in one batch, prefilled 37 tokens a step (CSA windows of 4,
+    HCA windows of 16, a sliding window of 8: most chunk edges fall inside all three)."""
+    prompts = _prompts([1, 5, 23, 64, 130, 290], seed=0)
+    llm = _llm(checkpoint, block_size=8, num_kv_blocks=160, max_num_batched_tokens=37)
+    _check(hf_model, prompts, _generate(llm, prompts))
+
+
+@pytest.mark.parametrize("block_size", [4, 32])
+def test_block_sizes_below_and_above_the_compression_rates(hf_model, checkpoint, block_size):
+    """Block 4: one pool entry per block (HCA's 16-token windows span four blocks); block 32:
+    eight CSA entries and two HCA entries per block."""
+    prompts = _prompts([3, 47, 100], seed=1)
+    llm = _llm(checkpoint, block_size=block_size, num_kv_blocks=4096 // block_size)
+    _check(hf_model, prompts, _generate(llm, prompts))
+
+
+def test_prefix_hits_whole_blocks_and_copied_rows(hf_model, checkpoint):
+    """A 100-token prompt first; then prompts that share its first 96 tokens (12 whole blocks
+    of 8), its first 53 (6 whole blocks, then 5 rows copied from its 7th: one closed CSA
+    entry with them) and the whole of it."""
+    (base,) = _prompts([100], seed=2)
+    llm = _llm(checkpoint, block_size=8, num_kv_blocks=200)
+    _check(hf_model, [base], _generate(llm, [base]))
+    rest = _prompts([20, 30], seed=3)
+    followers = [base[:96] + rest[0], base[:53] + rest[1], base + [7]]
+    before = llm.engine.stats.prefix_cache_hit_tokens
+    _check(hf_model, followers, _generate(llm, followers))
+    assert llm.engine.stats.prefix_cache_hit_tokens - before >= 96 + 53 + 100
+
+
+def test_preemption_recomputes_without_changing_a_token(hf_model, checkpoint):
+    """A cache too small for the batch: requests are preempted and recomputed."""
+    prompts = _prompts([40, 45, 50, 55], seed=4)
+    llm = _llm(checkpoint, block_size=8, num_kv_blocks=26, enable_prefix_caching=False)
+    outputs = _generate(llm, prompts, max_tokens=24)
+    assert llm.engine.stats.num_preemptions > 0
+    _check(hf_model, prompts, outputs)
+
+
+def test_a_kv_store_reload_in_a_new_engine(hf_model, checkpoint, tmp_path):
+    """One engine saves a prompt's blocks to a disk store (chunks of 256 tokens); a fresh one
+    loads them."""
+    (prompt,) = _prompts([270], seed=5)
+    store = f"disk:{tmp_path / 'store'}"
+    first = _llm(checkpoint, block_size=16, num_kv_blocks=32, kv_connector=store)
+    _generate(first, [prompt])
+    first.close()
+    second = _llm(checkpoint, block_size=16, num_kv_blocks=32, kv_connector=store)
+    longer = prompt + [11, 12, 13]
+    _check(hf_model, [longer], _generate(second, [longer]))
+    assert second.engine.stats.external_hit_tokens == 256
+    second.close()
+
+
+def test_dummy_weights_with_overrides(checkpoint):
+    llm = LLM(
+        str(checkpoint),
+        compile=False,
+        load_format="dummy",
+        hf_overrides={"num_hidden_layers": 3},
+        block_size=16,
+        num_kv_blocks=16,
+        progress=False,
+    )
+    assert llm.config.num_hidden_layers == 3 and llm.dtype == torch.bfloat16
+    (out,) = _generate(llm, [[1, 2, 3]], max_tokens=4)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({}, "compile=True"),
+        ({"compile": False, "quantization": "int8"}, "quantization"),
+        ({"compile": False, "hf_overrides": {"num_hidden_layers": 2}}, "hf_overrides"),
+        ({"compile": False, "block_size": 12}, "one must divide the other"),
+    ],
+)
+def test_what_is_not_served_yet_is_refused_by_name(checkpoint, options, named):
+    with pytest.raises(ValueError, match=named):
+        LLM(str(checkpoint), progress=False, **options)
