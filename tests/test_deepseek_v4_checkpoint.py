@@ -7,14 +7,13 @@ quantized one; mlafx reads the bytes and must compute the same function."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 from v4_cases import PagedRun, reference_logprobs, transformers_v4
-from v4_checkpoints import write_deepseek_checkpoint
+from v4_checkpoints import WIDTHS, write_deepseek_checkpoint, write_dequantized_copy
 
 from mlafx.models.deepseek_v4.attention import GroupedLinear
 from mlafx.models.deepseek_v4.checkpoint import load_deepseek_v4
@@ -22,16 +21,6 @@ from mlafx.models.deepseek_v4.quantized import Fp8GroupedLinear, StoredExperts
 from mlafx.models.fp8 import Fp8Linear
 from mlafx.models.weights import WeightLoadError
 
-# widths the formats take: K a multiple of 32 (FP4 groups, FP8 blocks of [16, 32])
-WIDTHS = dict(
-    hidden_size=64,
-    q_lora_rank=32,
-    head_dim=48,
-    qk_rope_head_dim=16,
-    o_lora_rank=32,
-    index_head_dim=32,
-    moe_intermediate_size=32,
-)
 TOL = 1e-4
 
 
@@ -66,23 +55,11 @@ def test_unquantized_checkpoint_in_deepseeks_names(source, tmp_path):
 
 
 def test_fp8_and_fp4_checkpoint_matches_transformers_dequantized(source, tmp_path):
-    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
-
     written = write_deepseek_checkpoint(source, tmp_path / "fp8", quantized=True)
     assert written["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     assert written["layers.0.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
     assert written["layers.0.ffn.experts.0.w1.weight"].dtype == torch.int8
-    dequantize = Fp8Dequantize(None)._dequantize_one  # transformers' own arithmetic
-    plain = {}
-    for key, tensor in written.items():
-        scale = written.get(key.removesuffix(".weight") + ".scale")
-        if not key.endswith(".scale"):
-            plain[key] = tensor if scale is None else dequantize(tensor, scale, torch.float32)
-    (tmp_path / "ref").mkdir()
-    save_file(plain, tmp_path / "ref" / "model.safetensors")
-    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
-    del config["quantization_config"]
-    (tmp_path / "ref" / "config.json").write_text(json.dumps(config))
+    write_dequantized_copy(written, tmp_path / "fp8", tmp_path / "ref")
 
     model = load_deepseek_v4(tmp_path / "fp8", torch.float32)
     attn = model.model.layers[1].self_attn

@@ -68,8 +68,8 @@ def test_invalid_fields_are_named(override, field):
         DeepseekV4Config.from_hf_dict(raw)
 
 
-def test_the_engine_still_refuses_v4_naming_what_it_lacks():
-    with pytest.raises(ConfigError, match="deepseek_v4.*engine"):
+def test_the_mla_paths_refuse_v4_naming_what_serves_it():
+    with pytest.raises(ConfigError, match=r"deepseek_v4.*compile=False"):
         ModelConfig.from_hf_dict(_transformers_dict())
 
 

@@ -14,9 +14,10 @@ import random
 
 import pytest
 import torch
+from v4_cases import reference_logprobs, transformers_v4
+from v4_checkpoints import WIDTHS, write_deepseek_checkpoint, write_dequantized_copy
 
 from mlafx import LLM, SamplingParams
-from tests.v4_cases import reference_logprobs, transformers_v4
 
 TOL = 1e-4
 
@@ -117,6 +118,19 @@ def test_a_kv_store_reload_in_a_new_engine(hf_model, checkpoint, tmp_path):
     _check(hf_model, [longer], _generate(second, [longer]))
     assert second.engine.stats.external_hit_tokens == 256
     second.close()
+
+
+def test_an_fp8_and_fp4_checkpoint_against_transformers_on_its_dequantized_weights(tmp_path):
+    from transformers import DeepseekV4ForCausalLM
+
+    written = write_deepseek_checkpoint(
+        transformers_v4(seed=1, **WIDTHS), tmp_path / "fp8", quantized=True
+    )
+    write_dequantized_copy(written, tmp_path / "fp8", tmp_path / "ref")
+    reference = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32)
+    prompts = _prompts([9, 61], seed=6)
+    llm = _llm(tmp_path / "fp8", block_size=16, num_kv_blocks=32, max_num_batched_tokens=40)
+    _check(reference.eval(), prompts, _generate(llm, prompts))
 
 
 def test_dummy_weights_with_overrides(checkpoint):

@@ -319,5 +319,5 @@ def test_mismatched_arguments_are_the_callers_bug(tmp_path):
         conn.load(keys, 4, caches, list(range(16)))
     with pytest.raises(ValueError, match="outside"):
         conn.load(keys, 17, caches, [])
-    with pytest.raises(ValueError, match=r"expected \[num_blocks, 16, Lkv\+R\]"):
+    with pytest.raises(ValueError, match=r"expected \[num_blocks, 16, width\]"):
         conn.save(keys, random_caches(16, 8, torch.float32), list(range(16)))

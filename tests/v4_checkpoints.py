@@ -52,6 +52,16 @@ _TO_DEEPSEEK = [
 # DeepSeek keeps these linears unquantized (bf16): the compressors' and the indexer's
 _UNQUANTIZED = re.compile(r"compressor\.(indexer\.)?(wkv|wgate)\.|indexer\.weights_proj\.")
 BLOCK = (16, 32)
+# widths the formats take: K a multiple of 32 (FP4 groups, FP8 blocks of [16, 32])
+WIDTHS = dict(
+    hidden_size=64,
+    q_lora_rank=32,
+    head_dim=48,
+    qk_rope_head_dim=16,
+    o_lora_rank=32,
+    index_head_dim=32,
+    moe_intermediate_size=32,
+)
 
 
 def deepseek_name(name: str) -> str:
@@ -111,6 +121,24 @@ def write_deepseek_checkpoint(
         }
     (path / "config.json").write_text(json.dumps(config))
     return out
+
+
+def write_dequantized_copy(written: dict[str, torch.Tensor], source: Path, path: Path) -> None:
+    """The checkpoint ``written`` to ``source`` with every quantized weight dequantized by
+    transformers' own arithmetic (float32), unquantized, to ``path``: the reference's weights."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    dequantize = Fp8Dequantize(None)._dequantize_one
+    plain = {}
+    for key, tensor in written.items():
+        scale = written.get(key.removesuffix(".weight") + ".scale")
+        if not key.endswith(".scale"):
+            plain[key] = tensor if scale is None else dequantize(tensor, scale, torch.float32)
+    path.mkdir(parents=True)
+    save_file(plain, path / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
 
 
 # float32 in DeepSeek's files as in transformers (mHC, sinks, position biases, router biases)

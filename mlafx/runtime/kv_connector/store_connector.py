@@ -132,15 +132,18 @@ class StoreConnector(KVConnector):
         )
 
     def _check_caches(self, caches: list[torch.Tensor]) -> None:
-        """Paged caches ``[num_blocks, rows, width]``: ``rows`` is the block size (token
-        rows) or divides it (a DeepSeek-V4 pool's entries per block)."""
+        """Paged caches ``[num_blocks, rows, width]``: the first holds token rows (``rows`` is
+        the block size: every model's first cache does), the others token rows or fewer
+        dividing it (a DeepSeek-V4 pool's entries per block)."""
         if not caches:
             raise ValueError("no caches given")
+        bs = self.block_size
         for i, cache in enumerate(caches):
-            if cache.dim() != 3 or self.block_size % max(cache.shape[1], 1):
+            rows = cache.shape[1] if cache.dim() == 3 else 0
+            if rows < 1 or bs % rows or (i == 0 and rows != bs):
                 raise ValueError(
-                    f"cache {i} is {tuple(cache.shape)}; expected [num_blocks, rows, width] "
-                    f"with rows dividing the block size {self.block_size}"
+                    f"cache {i} is {tuple(cache.shape)}; expected [num_blocks, {bs}, width] "
+                    f"(token rows){'' if i == 0 else f' or fewer rows dividing {bs} (a pool)'}"
                 )
         if len({cache.dtype for cache in caches}) != 1:
             raise ValueError("caches of different dtypes")
