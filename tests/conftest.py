@@ -52,17 +52,20 @@ def _kernel_tests_use_every_core(request, monkeypatch):  # type: ignore[no-untyp
 _SLOW_LIST = Path(__file__).resolve().parent / "slow_tests.txt"
 
 
-def _slow_entries() -> tuple[set[str], set[tuple[str, str]]]:
-    """(test ids, (module path, fixture name)) listed in slow_tests.txt."""
-    ids, fixtures = set(), set()
+def _slow_entries() -> tuple[dict[str, float], set[tuple[str, str]]]:
+    """(test id -> its recorded seconds, (module path, fixture name)) listed in
+    slow_tests.txt (``<id>  # 131 s``; 0 where no time is recorded)."""
+    ids: dict[str, float] = {}
+    fixtures = set()
     lines = _SLOW_LIST.read_text().splitlines() if _SLOW_LIST.is_file() else []
     for line in lines:
-        entry = line.split("#")[0].strip()
+        entry, _, comment = (part.strip() for part in line.partition("#"))
         if entry.startswith("fixture "):
             path, _, name = entry.removeprefix("fixture ").partition("::")
             fixtures.add((path, name))
         elif entry:
-            ids.add(entry)
+            seconds = comment.removesuffix("s").strip()
+            ids[entry] = float(seconds) if seconds.replace(".", "", 1).isdigit() else 0.0
     return ids, fixtures
 
 
@@ -74,10 +77,20 @@ def pytest_configure(config) -> None:  # type: ignore[no-untyped-def]
 
 def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-untyped-def]
     ids, fixtures = _slow_entries()
+    longest: dict[str, float] = {}  # module path -> its slowest listed test's seconds
     for item in items:
         path = item.nodeid.partition("::")[0]
         if item.nodeid in ids or any((path, f) in fixtures for f in item.fixturenames):
             item.add_marker(pytest.mark.slow)
-    # slow tests first (a stable sort: each module's tests stay together, so a module fixture
-    # is built once per worker, and the rest keep their order)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+            longest[path] = max(longest.get(path, 0.0), ids.get(item.nodeid, 0.0))
+
+    # slow tests first: the module with the slowest test first, within a module the slowest
+    # first; a module's tests stay together (a module fixture is built once per worker) and
+    # the fast tests keep their order (a stable sort)
+    def order(item) -> tuple[bool, float, str, float]:  # type: ignore[no-untyped-def]
+        path = item.nodeid.partition("::")[0]
+        if item.get_closest_marker("slow") is None:
+            return (True, 0.0, "", 0.0)
+        return (False, -longest[path], path, -ids.get(item.nodeid, 0.0))
+
+    items.sort(key=order)
