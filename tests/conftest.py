@@ -84,13 +84,14 @@ def pytest_collection_modifyitems(config, items) -> None:  # type: ignore[no-unt
             item.add_marker(pytest.mark.slow)
             longest[path] = max(longest.get(path, 0.0), ids.get(item.nodeid, 0.0))
 
-    # slow tests first: the module with the slowest test first, within a module the slowest
-    # first; a module's tests stay together (a module fixture is built once per worker) and
-    # the fast tests keep their order (a stable sort)
-    def order(item) -> tuple[bool, float, str, float]:  # type: ignore[no-untyped-def]
+    # slow tests first, the module with the slowest test first; a module's tests stay together
+    # and in their order (a module fixture is built once per worker, and a test may rely on
+    # the ones before it: test_tensor_parallel's last test kills its fixture's rank), and so
+    # do the fast tests (a stable sort)
+    def order(item) -> tuple[bool, float, str]:  # type: ignore[no-untyped-def]
         path = item.nodeid.partition("::")[0]
         if item.get_closest_marker("slow") is None:
-            return (True, 0.0, "", 0.0)
-        return (False, -longest[path], path, -ids.get(item.nodeid, 0.0))
+            return (True, 0.0, "")
+        return (False, -longest[path], path)
 
     items.sort(key=order)
