@@ -135,6 +135,14 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def check_need_fits(need: int, needs: str, hint: str = "") -> None:
+    """Raise ``ConfigError("<needs>, but only X GiB is available<hint>")`` if ``need`` bytes
+    exceed 90% of the memory available now."""
+    have = available_memory_bytes()
+    if need > 0.9 * have:
+        raise ConfigError(f"{needs}, but only {have / 2**30:.1f} GiB is available{hint}")
+
+
 def check_fits_in_memory(
     cfg: ModelConfig,
     dtype: str,
@@ -147,15 +155,14 @@ def check_fits_in_memory(
     Returns the estimate in bytes."""
     weights = weight_bytes(cfg, dtype, quantization, stored)
     need = weights + kv_bytes_per_token(cfg, dtype) * min_kv_tokens
-    have = available_memory_bytes()
-    if need > 0.9 * have:
-        what = dtype if quantization is None else f"{quantization}-quantized"
-        if stored is not None:
-            what = f"{type(stored).__name__} ({what} elsewhere)"
-        raise ConfigError(
-            f"model needs about {need / 2**30:.1f} GiB ({weights / 2**30:.1f} GiB "
-            f"of {what} weights for {cfg.num_hidden_layers} layers plus the KV cache for "
-            f"{min_kv_tokens} tokens), but only {have / 2**30:.1f} GiB is available; use fewer "
-            "layers/experts (hf_overrides), a smaller dtype or quantization='int8'/'int4'"
-        )
+    what = dtype if quantization is None else f"{quantization}-quantized"
+    if stored is not None:
+        what = f"{type(stored).__name__} ({what} elsewhere)"
+    check_need_fits(
+        need,
+        f"model needs about {need / 2**30:.1f} GiB ({weights / 2**30:.1f} GiB "
+        f"of {what} weights for {cfg.num_hidden_layers} layers plus the KV cache for "
+        f"{min_kv_tokens} tokens)",
+        "; use fewer layers/experts (hf_overrides), a smaller dtype or quantization='int8'/'int4'",
+    )
     return need

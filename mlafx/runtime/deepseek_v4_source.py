@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from mlafx.config.deepseek_v4 import DeepseekV4Config
-from mlafx.config.memory import available_memory_bytes, kv_bytes_per_block
-from mlafx.config.model_config import ConfigError, load_hf_config_dict
+from mlafx.config.memory import check_need_fits, kv_bytes_per_block
+from mlafx.config.model_config import load_hf_config_dict
 from mlafx.config.presets import PRESETS
 from mlafx.models.loader import torch_dtype
 from mlafx.runtime.chat_template import load_chat_template
@@ -59,13 +59,11 @@ def check_deepseek_v4_options(
 
     weights = deepseek_v4_weight_bytes(cfg, torch_dtype(build.dtype), weights_dir)
     need = weights + kv_bytes_per_block(cfg, build.dtype, options.block_size) * min(blocks, 2)
-    have = available_memory_bytes()
-    if need > 0.9 * have:
-        raise ConfigError(
-            f"DeepSeek-V4 model needs about {need / 2**30:.1f} GiB ({weights / 2**30:.1f} GiB "
-            f"of weights for {cfg.num_hidden_layers} layers plus two KV blocks), but only "
-            f"{have / 2**30:.1f} GiB is available"
-        )
+    check_need_fits(
+        need,
+        f"DeepSeek-V4 model needs about {need / 2**30:.1f} GiB ({weights / 2**30:.1f} GiB "
+        f"of weights for {cfg.num_hidden_layers} layers plus two KV blocks)",
+    )
     return cfg
 
 

@@ -35,13 +35,11 @@ def build_deepseek_v4(
 
     init_dummy_weights(model, seed=seed, on_filled=to_dtype)
     generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, buffer in list(model.named_buffers()):
-            parent, _, leaf = name.rpartition(".")
-            owner = model.get_submodule(parent)
-            if name.endswith("tid2eid"):
-                ids = torch.randint(0, cfg.n_routed_experts, buffer.shape, generator=generator)
-                owner._buffers[leaf] = ids.to(buffer.dtype)
+    hashed = [(n, b) for n, b in model.named_buffers() if n.endswith("tid2eid")]
+    for name, table in hashed:  # integer buffers: init_dummy_weights fills floats only
+        parent, _, leaf = name.rpartition(".")
+        ids = torch.randint(0, cfg.n_routed_experts, table.shape, generator=generator)
+        model.get_submodule(parent)._buffers[leaf] = ids.to(table.dtype)
     for module in model.modules():
         if isinstance(module, V4RotaryEmbedding):
             module.inv_freq = module.frequencies()
