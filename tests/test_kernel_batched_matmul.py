@@ -1,0 +1,88 @@
+"""mlafx::batched_matmul against float64 bmm: the few-row streaming kernel that decode's
+absorbed products take on AVX-512 BF16 CPUs (batched_matmul_avx512.cpp, up to 4 rows per head
+of bf16 / fp16) and ATen's bmm above it, on the default path here and the portable one in a
+child process.
+
+Bound: the fp32 sums err by at most ``sum |x| |w| * K * 2^-24`` (far below a wrong element,
+which is off by whole percents) and the one rounding to x's dtype by half an ulp (2^-8 bf16,
+2^-11 fp16, relative, or half the smallest subnormal)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlafx.kernels import batched_matmul, cpu_isa
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def _assert_within_bound(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], x.shape[1], w.shape[2])
+    ref = x.double() @ w.double()
+    magnitude = x.double().abs() @ w.double().abs()
+    finfo = torch.finfo(x.dtype)
+    bound = (
+        magnitude * x.shape[2] * 2.0**-24
+        + ref.abs() * ROUNDING[x.dtype]
+        + finfo.smallest_normal * finfo.eps / 2
+    )
+    err = (out.double() - ref).abs()
+    assert torch.all(err <= bound), f"worst {(err / bound).max().item():.3f} of the bound"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    heads=st.integers(1, 5),
+    m=st.integers(0, 6),
+    k=st.sampled_from([1, 7, 16, 33, 128, 130]),
+    n=st.sampled_from([1, 15, 16, 17, 64, 65, 100, 200]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    strided=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_matches_fp64_bmm(heads, m, k, n, dtype, strided, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if strided:  # the graph's q_nope: [tokens, heads, K] viewed as [heads, tokens, K]
+        x = torch.randn(m, heads, k, generator=gen).to(dtype).transpose(0, 1)
+    else:
+        x = torch.randn(heads, m, k, generator=gen).to(dtype)
+    w = (torch.randn(heads, k, n, generator=gen) / k**0.5).to(dtype)
+    _assert_within_bound(batched_matmul(x, w), x, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_shapes_and_row_independence(dtype):
+    """V2-Lite's W_UK and W_UV^T products at 1-4 and 5 rows (the switch to ATen); where the
+    streaming kernel runs, each row alone equals its row in the call, bitwise, below the
+    switch (ATen's bmm promises no such thing)."""
+    streams = cpu_isa() in ("avx512_amx", "avx512_bf16")
+    gen = torch.Generator().manual_seed(1)
+    for k, n in ((128, 512), (512, 128)):
+        w = (torch.randn(16, k, n, generator=gen) / k**0.5).to(dtype)
+        for m in (1, 2, 3, 4, 5):
+            x = torch.randn(m, 16, k, generator=gen).to(dtype).transpose(0, 1)
+            out = batched_matmul(x, w)
+            _assert_within_bound(out, x, w)
+            if streams and m <= 4:
+                for r in range(m):
+                    assert torch.equal(out[:, r : r + 1], batched_matmul(x[:, r : r + 1], w))
+
+
+def test_portable_path_in_a_child():
+    if os.environ.get("MLAFX_BMM_CHILD"):
+        pytest.skip("inside the child run")
+    env = {**os.environ, "MLAFX_DISABLE_AVX512": "1", "MLAFX_BMM_CHILD": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
