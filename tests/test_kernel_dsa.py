@@ -284,9 +284,12 @@ def test_sparse_invalid_selection_raises(row, error, match):
 # ---- ISA paths -------------------------------------------------------------------------------
 
 _ROOT = Path(__file__).resolve().parents[1]
-# Representative tests (both ops, every dtype, splits, ties, odd widths) rerun per path.
+# Representative tests (both ops, every dtype, splits, ties, odd widths, the indexer's property
+# tests) rerun per path.
 _SUBSET = [
     "tests/test_kernel_dsa.py::test_isa_is_the_expected_one",
+    "tests/test_kernel_dsa.py::test_indexer_exact_scores_match_reference",
+    "tests/test_kernel_dsa.py::test_indexer_random_scores_match_reference_up_to_near_ties",
     "tests/test_kernel_dsa.py::test_indexer_ties_earlier_position_wins",
     "tests/test_kernel_dsa.py::test_indexer_topk_larger_than_context_pads_with_minus_one",
     "tests/test_kernel_dsa.py::test_indexer_long_context_split_across_threads",
@@ -298,6 +301,8 @@ _SUBSET = [
 _PATHS = {
     "portable": ({"MLAFX_DISABLE_AVX512": "1"}, ("portable",)),
     "avx512": ({"MLAFX_DISABLE_AVX512": "0"}, ("avx512_bf16", "avx512_amx")),
+    # on a CPU with tiles, the AVX-512 cores that the default (AMX) path replaces
+    "avx512_no_amx": ({"MLAFX_DISABLE_AVX512": "0", "MLAFX_DISABLE_AMX": "1"}, ("avx512_bf16",)),
 }
 
 
@@ -317,9 +322,11 @@ def test_isa_is_the_expected_one():
 def test_isa_path_passes_subset(path):
     if os.environ.get("MLAFX_EXPECT_ISA") is not None:
         pytest.skip("already an ISA child")
-    if path == "avx512" and not _cpu_has_avx512_bf16():
+    if path.startswith("avx512") and not _cpu_has_avx512_bf16():
         pytest.skip("CPU lacks AVX-512 BF16 (avx512f/bw/vl/dq/avx512_bf16): the AVX-512 "
                     "indexer and attention cores cannot run here")  # fmt: skip
+    if path == "avx512_no_amx" and cpu_isa() != "avx512_amx":
+        pytest.skip("no tile unit here: the avx512 child already runs the AVX-512 cores")
     overrides, isas = _PATHS[path]
     env = {**os.environ, **overrides, "MLAFX_EXPECT_ISA": ",".join(isas)}
     result = subprocess.run(

@@ -18,7 +18,8 @@
 // [T, context] score matrix ever exists, and a second pass merges the pieces' candidates.
 // Items are taken from a shared counter (parallel_chunks.h), never static shares. The scores
 // come from the core (dsa_indexer.h): the portable fp32 one here, the AVX-512 BF16 one in
-// dsa_indexer_avx512.cpp. Python reference: mlafx/kernels/dsa_reference.py.
+// dsa_indexer_avx512.cpp, the AMX one in dsa_indexer_amx_avx512.cpp. Python reference:
+// mlafx/kernels/dsa_reference.py.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -143,9 +144,12 @@ struct PortableIndexer {
   }
 };
 
-const IndexerOps& select_indexer_core(at::ScalarType dtype) {
+const IndexerOps& select_indexer_core(at::ScalarType dtype, const IndexerDims& dims) {
   switch (dtype) {
     case at::kBFloat16:
+      if (mlafx::use_amx_bf16() && mlafx::avx512::dsa_indexer_amx_fits(dims)) {
+        return mlafx::avx512::dsa_indexer_core_amx();
+      }
       return mlafx::use_avx512_bf16() ? mlafx::avx512::dsa_indexer_core_bf16()
                                       : PortableIndexer<c10::BFloat16>::ops();
     case at::kHalf:
@@ -477,7 +481,8 @@ at::Tensor dsa_indexer_topk(const at::Tensor& q,                // [T, Hi, Di]
       groups.push_back({b, t0, nt, keys});
     }
   }
-  return run_indexer(ix, select_indexer_core(q.scalar_type()), groups, max_queries, out);
+  const IndexerOps& core = select_indexer_core(q.scalar_type(), ix.dims);
+  return run_indexer(ix, core, groups, max_queries, out);
 }
 
 }  // namespace

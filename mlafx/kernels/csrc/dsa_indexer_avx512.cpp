@@ -17,6 +17,7 @@
 
 #include "attention_avx512_math.h"
 #include "dsa_indexer.h"
+#include "dsa_indexer_packed_q.h"
 
 #if !defined(__AVX512BF16__) || !defined(CPU_CAPABILITY_AVX512)
 #error "dsa_indexer_avx512.cpp must be compiled with the AVX-512 flags from setup.py"
@@ -28,27 +29,6 @@ namespace {
 using mlafx::dsa::IndexerDims;
 using mlafx::dsa::IndexerOps;
 using mlafx::dsa::kIndexerChunk;
-using mlafx::dsa::kIndexerRows;
-
-// Lanes per query: heads padded to 16. At most kIndexerRows heads, so at most 16 vectors.
-inline int64_t query_lanes(const IndexerDims& d) { return round_up16(d.heads); }
-
-struct Layout {
-  int64_t pairs;  // Di / 2
-  size_t hdr, qp, qtail, w, total;
-  explicit Layout(const IndexerDims& d) : pairs(d.dim / 2) {
-    // Rows: the driver's largest group (kIndexerRows / Hi queries, dsa_indexer.cpp) with
-    // each query's lanes padded to 16.
-    const size_t rows = static_cast<size_t>(std::max<int64_t>(1, kIndexerRows / d.heads) *
-                                            query_lanes(d));
-    WorkspaceCarver carve;
-    hdr = carve.take(64);
-    qp = carve.take(4 * static_cast<size_t>(pairs) * rows);
-    qtail = carve.take(4 * rows);
-    w = carve.take(4 * rows);
-    total = carve.total();
-  }
-};
 
 inline uint16_t bf16_bits(const void* p, int64_t i) {
   uint16_t x;
@@ -63,11 +43,11 @@ inline float bf16_to_float(uint16_t bits) {
   return f;
 }
 
-size_t workspace_bytes(const IndexerDims& d) { return Layout(d).total; }
+size_t workspace_bytes(const IndexerDims& d) { return PackedQueries(d).total; }
 
 void begin(void* ws, const IndexerDims& d, int64_t nq, const void* const* q_rows,
            int64_t q_head_stride, const float* const* w_rows, int64_t w_head_stride) {
-  const Layout L(d);
+  const PackedQueries L(d);
   const int64_t lanes = query_lanes(d);
   const int64_t rows = nq * lanes;
   *at_offset<int64_t>(ws, L.hdr) = nq;
@@ -142,7 +122,7 @@ inline void slab(const uint32_t* qp, int64_t rows, int64_t r0, int64_t pairs, bo
 
 template <int M>
 inline void query_keys(const uint32_t* qp, int64_t rows, int64_t r0, int64_t lanes,
-                       const Layout& L, const IndexerDims& d, const float* qtail,
+                       const PackedQueries& L, const IndexerDims& d, const float* qtail,
                        const float* w, const uint16_t* const* keys, float* scores) {
   __m512 sum[M];
   for (int m = 0; m < M; ++m) {
@@ -166,7 +146,7 @@ inline void query_keys(const uint32_t* qp, int64_t rows, int64_t r0, int64_t lan
 
 void score(void* ws, const IndexerDims& d, int64_t n, const void* const* keys, float* scores) {
   constexpr int M = 4;
-  const Layout L(d);
+  const PackedQueries L(d);
   const int64_t nq = *at_offset<int64_t>(ws, L.hdr);
   const int64_t lanes = query_lanes(d);
   const int64_t rows = nq * lanes;
