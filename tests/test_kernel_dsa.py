@@ -69,7 +69,7 @@ def test_opcheck_dsa_indexer_topk():
     data=st.data(),
     block_size=st.sampled_from([1, 16, 64]),
     heads=st.sampled_from([1, 3, 16, 64]),
-    dim=st.sampled_from([8, 17, 32]),
+    dim=st.sampled_from([8, 17, 32, 96]),
     topk=st.sampled_from([1, 4, 16]),
     dtype=st.sampled_from(FLOAT_DTYPES),
     mode=st.sampled_from(["decode", "random"]),
@@ -94,7 +94,7 @@ def test_indexer_exact_scores_match_reference(
     data=st.data(),
     block_size=st.sampled_from([1, 16, 64]),
     heads=st.sampled_from([2, 64]),
-    dim=st.sampled_from([17, 128]),
+    dim=st.sampled_from([17, 128, 256]),
     dtype=st.sampled_from(FLOAT_DTYPES),
     seed=st.integers(0, 2**31 - 1),
 )

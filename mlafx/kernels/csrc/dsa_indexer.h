@@ -7,7 +7,7 @@
 // owns the arithmetic. Behind one table of function pointers: the portable fp32 reference
 // (dsa_indexer.cpp, every dtype), the AVX-512 BF16 one (dsa_indexer_avx512.cpp, bf16:
 // _mm512_dpbf16_ps, each cache row loaded once for every head of every query of the group) and
-// the AMX one (dsa_indexer_amx_avx512.cpp, bf16, Di a multiple of 32 up to 128: tile products).
+// the AMX one (dsa_indexer_amx_avx512.cpp, bf16, Di a multiple of 32: tile products).
 //
 // Every core sums each (query, head) dot product and then the heads in a fixed order that
 // depends only on the shapes, never on the chunking or the threads: a score is a function of
@@ -52,7 +52,7 @@ namespace mlafx::avx512 {
 // The AVX-512 BF16 indexer core (bf16 q and cache); call only when mlafx::use_avx512_bf16().
 const mlafx::dsa::IndexerOps& dsa_indexer_core_bf16();
 // The AMX one (dsa_indexer_amx_avx512.cpp): only when mlafx::use_amx_bf16() and
-// dsa_indexer_amx_fits(dims) (Di a multiple of 32, at most 128).
+// dsa_indexer_amx_fits(dims) (Di a multiple of 32).
 bool dsa_indexer_amx_fits(const mlafx::dsa::IndexerDims& dims);
 const mlafx::dsa::IndexerOps& dsa_indexer_core_amx();
 
