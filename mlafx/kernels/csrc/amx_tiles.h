@@ -12,6 +12,11 @@
 
 namespace mlafx::avx512 {
 
+// Tile loads and LDTILECFG are builtins that do not tell GCC they read memory: a barrier
+// orders them after the plain stores that filled their source (and a tile store before the
+// plain loads of what it wrote).
+inline void compiler_barrier() { asm volatile("" ::: "memory"); }
+
 // Palette 1: up to 8 tiles, each `rows` rows of `colsb` bytes (at most 16 x 64); a tile left
 // at zero is unused.
 struct alignas(64) TileConfig {
@@ -25,8 +30,13 @@ struct alignas(64) TileConfig {
     rows[tile] = static_cast<uint8_t>(num_rows);
     colsb[tile] = static_cast<uint16_t>(bytes_per_row);
   }
-  // Loads this configuration (zeroing every tile) on the calling thread.
-  void load() const { _tile_loadconfig(this); }
+  // Loads this configuration (zeroing every tile) on the calling thread. The barrier keeps
+  // the row and width stores: inlined without it, GCC dropped them as dead and wrote only the
+  // palette byte (tileloadd then raised SIGILL; dsa_indexer_amx_avx512.cpp, 5 Dec 2026).
+  void load() const {
+    compiler_barrier();
+    _tile_loadconfig(this);
+  }
 };
 
 }  // namespace mlafx::avx512

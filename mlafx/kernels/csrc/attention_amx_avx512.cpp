@@ -70,10 +70,6 @@ void configure_tiles() {
   cfg.load();
 }
 
-// Tile loads are asm statements that do not tell the compiler they read memory: order them
-// after the plain stores that filled their source.
-inline void compiler_barrier() { asm volatile("" ::: "memory"); }
-
 struct Layout {
   int64_t pa, pb;  // feature pairs in segments a and b
   int64_t ca, cb;  // 32-feature chunks in segments a and b

@@ -41,9 +41,6 @@ using mlafx::dsa::kIndexerChunk;
 
 constexpr int64_t kKeyTile = 16;  // keys per A / C tile
 
-// Tile loads are asm statements that do not tell the compiler they read memory: order them
-// after the plain stores that filled their source (and the C tile's store before its reads).
-inline void compiler_barrier() { asm volatile("" ::: "memory"); }
 
 // The AVX-512 core's packed queries, then 16 gathered keys and 4 C tiles.
 struct AmxLayout {
@@ -90,9 +87,6 @@ void configure_tiles() {
   for (int t = 0; t < 8; ++t) {
     cfg.set(t, kKeyTile, 64);
   }
-  // LDTILECFG's builtin does not tell GCC it reads the block: inlined here, the row and
-  // width stores were dropped as dead (measured: only the palette byte was written).
-  compiler_barrier();
   cfg.load();
 }
 
