@@ -73,13 +73,6 @@ struct Header {
   int64_t gp;    // G rounded up to 16 (lanes in use)
 };
 
-inline float bf16_to_float(uint16_t bits) {
-  const uint32_t x = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &x, sizeof(f));
-  return f;
-}
-
 // [a0..a15 | b0..b15] (bf16) -> [a0 b0 a1 b1 ... a15 b15]: pairs for dpbf16.
 inline __m512i interleave_pairs(__m512i ab) {
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,

@@ -1,5 +1,6 @@
-// Vector math shared by the *_avx512.cpp attention sources. Include it from AVX-512 sources
-// only: everything here is inline and compiled with AVX-512 enabled.
+// Vector math shared by the *_avx512.cpp attention, DSA indexer and batched_matmul sources.
+// Include it from AVX-512 sources only: everything here is inline and compiled with AVX-512
+// enabled.
 #pragma once
 
 #include <immintrin.h>
@@ -21,6 +22,14 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // Widths padded to 16 lanes (the workspace itself: workspace_layout.h).
 inline int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// One bf16 value (its bits) widened to fp32, exactly.
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t x = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &x, sizeof(f));
+  return f;
+}
 
 // Two adjacent bf16 values as one 32-bit word (a "pair" of the dot-product layouts).
 inline uint32_t load_pair(const uint16_t* p) {

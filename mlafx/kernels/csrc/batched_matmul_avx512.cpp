@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "attention_avx512_math.h"
 #include "batched_matmul.h"
 
 #if !defined(__AVX512BF16__) || !defined(CPU_CAPABILITY_AVX512)
@@ -33,13 +34,7 @@ constexpr int kVecs = 4;
 constexpr int64_t kAhead = 12;  // w rows prefetched ahead
 
 inline float to_float(BmmElem e, uint16_t v) {
-  if (e == BmmElem::kFp16) {
-    return _cvtsh_ss(v);
-  }
-  uint32_t bits = uint32_t{v} << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
+  return e == BmmElem::kFp16 ? _cvtsh_ss(v) : bf16_to_float(v);
 }
 
 // 16 elements (fewer under `mask`, the rest 0) widened to fp32.

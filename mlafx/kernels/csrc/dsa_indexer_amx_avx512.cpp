@@ -41,7 +41,6 @@ using mlafx::dsa::kIndexerChunk;
 
 constexpr int64_t kKeyTile = 16;  // keys per A / C tile
 
-
 // The AVX-512 core's packed queries, then 16 gathered keys and 4 C tiles.
 struct AmxLayout {
   size_t keys, c, total;

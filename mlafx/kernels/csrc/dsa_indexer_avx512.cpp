@@ -36,13 +36,6 @@ inline uint16_t bf16_bits(const void* p, int64_t i) {
   return x;
 }
 
-inline float bf16_to_float(uint16_t bits) {
-  const uint32_t x = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &x, sizeof(f));
-  return f;
-}
-
 size_t workspace_bytes(const IndexerDims& d) { return PackedQueries(d).total; }
 
 void begin(void* ws, const IndexerDims& d, int64_t nq, const void* const* q_rows,
