@@ -23,8 +23,9 @@ namespace mlafx::dsa {
 
 // Query rows (query x head) per group: the packed queries of a group stay in L2.
 constexpr int64_t kIndexerRows = 256;
-// Cache rows per scored chunk: a chunk's rows (and the portable core's fp32 copy) stay in L1/L2.
-constexpr int64_t kIndexerChunk = 64;
+// Cache rows per scored chunk: a chunk's rows and the portable core's fp32 copy (128 KB at
+// Di = 128) stay in L2; 256, since the AMX core prefetches only within a chunk.
+constexpr int64_t kIndexerChunk = 256;
 
 struct IndexerDims {
   int64_t heads;  // Hi
