@@ -200,9 +200,19 @@ struct Indexer {
     const int64_t len = kv_lens[seq * kv_lens_s];
     return std::max<int64_t>(0, std::min<int64_t>(len, pos < len ? pos + 1 : len));
   }
-  const void* row(int64_t seq, int64_t j) const {
-    const int64_t block = block_table[seq * bt_s0 + (j / block_size) * bt_s1];
-    return cache + (block * block_size + j % block_size) * row_bytes;
+  // The rows of positions j .. j + n - 1 into out, a block-table lookup per block (a division
+  // per row took a tenth of the indexer's time at 16k cached tokens).
+  void rows(int64_t seq, int64_t j, int64_t n, const void** out) const {
+    const int32_t* table = block_table + seq * bt_s0;
+    int64_t b = j / block_size, off = j % block_size;
+    const char* base = cache + table[b * bt_s1] * block_size * row_bytes;
+    for (int64_t c = 0; c < n; ++c) {
+      out[c] = base + off * row_bytes;
+      if (++off == block_size && c + 1 < n) {
+        off = 0;
+        base = cache + table[++b * bt_s1] * block_size * row_bytes;
+      }
+    }
   }
 };
 
@@ -303,9 +313,7 @@ void score_item(const Indexer& ix, const IndexerOps& core, const Group& g, const
   core.begin(scratch.core, ix.dims, g.nt, q_rows, ix.q_sh, w_rows, ix.w_sh);
   for (int64_t j = item.j0; j < item.j1; j += kIndexerChunk) {
     const int64_t n = std::min(kIndexerChunk, item.j1 - j);
-    for (int64_t c = 0; c < n; ++c) {
-      keys[c] = ix.row(g.seq, j + c);
-    }
+    ix.rows(g.seq, j, n, keys);
     core.score(scratch.core, ix.dims, n, keys, scratch.scores);
     for (int64_t i = 0; i < g.nt; ++i) {
       const float* s = scratch.scores + i * kIndexerChunk;
