@@ -8,7 +8,8 @@
 // from a copy (zero rows pad the last tile of a chunk). Up to 4 groups of 16 rows (query x
 // head) multiply at once into 4 C tiles [16 keys][16 rows] (TDPBF16PS, fp32); then relu, times
 // the head weight, summed lane-wise over the query's rows in a fixed order and once
-// horizontally, as the AVX-512 core does. A key's score depends on its query and itself alone.
+// horizontally, as the AVX-512 core does (its _mm512_reduce_add_ps, for 16 keys at once:
+// reduce_add_16). A key's score depends on its query and itself alone.
 //
 // Measured (Xeon with AMX, 2 threads, 5 Dec 2026, `bench/kernels.py --only dsa`: batch 8, 64
 // heads x 128, block 64, 23-24 GB/s of read bandwidth): the indexer at 16k context took
@@ -197,9 +198,8 @@ void score(void* ws, const IndexerDims& d, int64_t n, const void* const* keys, f
         }
       }
       const int64_t valid = std::min(kKeyTile, n - k0);
-      for (int64_t m = 0; m < valid; ++m) {
-        scores[i * kIndexerChunk + k0 + m] = _mm512_reduce_add_ps(sum[m]);
-      }
+      const __mmask16 kept = valid >= kKeyTile ? 0xFFFF : (1u << valid) - 1;
+      _mm512_mask_storeu_ps(scores + i * kIndexerChunk + k0, kept, reduce_add_16(sum));
     }
   }
 }
