@@ -12,6 +12,7 @@ again: one more ``u * (|x| @ |W|^T)``.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -358,3 +359,34 @@ def test_unpack_rejects_mismatched_sizes():
         unpack_linear_weight(packed, 20, 26)
     with pytest.raises(ValueError, match="out_features = 33 does not match"):
         unpack_linear_weight(packed, 33, 24)
+
+
+_F32_PROBE = """
+import sys, torch
+from mlafx.kernels import linear_packed, pack_linear_weight
+cases = torch.load(sys.argv[1])
+outs = [linear_packed(x, pack_linear_weight(w), w.shape[0], None) for x, w in cases]
+torch.save(outs, sys.argv[2])
+"""
+
+
+def test_float32_avx512_is_bit_identical_to_portable(tmp_path):
+    """fp32 (the router's gate): the AVX-512 kernel adds the same products in the same order
+    as the portable one, each rounded alone; every row tile (1-4 rows), odd K, a NaN row."""
+    if cpu_isa() == "portable":
+        pytest.skip("no AVX-512 kernel on this CPU")
+    gen = torch.Generator().manual_seed(4)
+    cases = []
+    for M, K, N in ((1, 77, 33), (3, 78, 100), (5, 2048, 64), (8, 2047, 64), (9, 31, 17)):
+        x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
+        x[-1, K // 2] = math.nan
+        cases.append((x, w))
+    torch.save(cases, tmp_path / "in.pt")
+    env = {**os.environ, "MLAFX_DISABLE_AVX512": "1"}
+    args = [sys.executable, "-c", _F32_PROBE, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")]
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for (x, w), expected in zip(cases, torch.load(tmp_path / "out.pt"), strict=True):
+        out = linear_packed(x, pack_linear_weight(w), w.shape[0], None)
+        assert torch.equal(out.nan_to_num(7.0), expected.nan_to_num(7.0)), tuple(x.shape)
+        assert torch.equal(out.isnan(), expected.isnan())

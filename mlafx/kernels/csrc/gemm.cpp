@@ -211,8 +211,14 @@ void packed_dot(FloatKind kind, const void* x, int64_t ldx, int64_t M, const voi
                         static_cast<const c10::Half*>(wp), K, block_begin, block_end, out, ldo);
       return;
     case FloatKind::kFloat:
-      packed_dot_scalar(static_cast<const float*>(x), ldx, M, static_cast<const float*>(wp), K,
-                        block_begin, block_end, out, ldo);
+      if (use_avx512_bf16()) {
+        avx512::packed_dot_f32(static_cast<const float*>(x), ldx, M,
+                               static_cast<const float*>(wp), K, block_begin, block_end, out,
+                               ldo);
+      } else {
+        packed_dot_scalar(static_cast<const float*>(x), ldx, M, static_cast<const float*>(wp), K,
+                          block_begin, block_end, out, ldo);
+      }
       return;
   }
 }

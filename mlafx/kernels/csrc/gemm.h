@@ -60,6 +60,9 @@ void rows_dot_bf16(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w,
                    int64_t K, int64_t n_begin, int64_t n_end, float* out, int64_t ldo);
 void packed_dot_bf16(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* wp, int64_t K,
                      int64_t block_begin, int64_t block_end, float* out, int64_t ldo);
+// fp32 x and packed weight; packed_dot's contract, bit-identical to the portable kernel.
+void packed_dot_f32(const float* x, int64_t ldx, int64_t M, const float* wp, int64_t K,
+                    int64_t block_begin, int64_t block_end, float* out, int64_t ldo);
 // Rows [n_begin, n_end) of W [N, K] out of the packed layout of 16-bit elements (bf16 or fp16
 // bit patterns) into dst (row stride ldd >= K): the inverse of pack_linear_weight.
 void unpack_rows_16bit(const uint16_t* packed, int64_t K, int64_t n_begin, int64_t n_end,
