@@ -40,8 +40,6 @@ inline int32_t candidate_pos(Candidate c) {
   return static_cast<int32_t>(0xFFFFFFFFu - static_cast<uint32_t>(c & 0xFFFFFFFFu));
 }
 
-inline bool ranks_before(Candidate a, Candidate b) { return a > b; }
-
 class RunningTopK {
  public:
   RunningTopK(Candidate* buf, int64_t capacity, int64_t k) : buf_(buf), cap_(capacity), k_(k) {}
