@@ -27,9 +27,7 @@ def _case(seed: int, dtype: torch.dtype, block: int, pool_block: int, with_pool:
     tokens = [torch.randn(n, width, generator=gen) for n in lens]
     entries = [torch.randn(n // rate, width, generator=gen) for n in lens]
     window_cache, window_table = paged_cache(tokens, block, dtype, gen)
-    pool_cache, pool_table = paged_cache(
-        [e if e.shape[0] else torch.zeros(0, width) for e in entries], pool_block, dtype, gen
-    )
+    pool_cache, pool_table = paged_cache(entries, pool_block, dtype, gen)
     q_rows, window_sel, pool_sel, keys = [], [], [], []
     for b, n in enumerate(lens):
         for p in range(n - q_lens[b], n):  # the sequence's last q_lens[b] tokens
@@ -79,14 +77,20 @@ def test_matches_attend_with_sinks(seed, dtype, block, pool_block, with_pool):
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
 
 
+def _one_block(heads: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [1, heads, width], a cache whose block 1 holds 4 rows, and its one-block table."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, heads, width, generator=gen)
+    cache = torch.randn(2, 4, width, generator=gen)
+    return q, cache, torch.tensor([[1]], dtype=torch.int32)
+
+
 def test_no_keys_gives_zero():
     heads, width = 2, 32
-    cache = torch.randn(2, 4, width)
-    table = torch.tensor([[1]], dtype=torch.int32)
-    q = torch.randn(1, heads, width)
+    q, cache, table = _one_block(heads, width)
     out = v4_sparse_attention(
         q, torch.tensor([0, 1], dtype=torch.int32), cache, table,
-        torch.tensor([4], dtype=torch.int32), torch.full((1, 3), -1), torch.randn(heads),
+        torch.tensor([4], dtype=torch.int32), torch.full((1, 3), -1), torch.full((heads,), 0.5),
         width**-0.5,
     )  # fmt: skip
     assert torch.equal(out, torch.zeros_like(out))
@@ -96,9 +100,7 @@ def test_no_keys_gives_zero():
 def test_sink_weight(sink):
     """A very negative sink changes nothing; a very large one takes almost all the weight."""
     heads, width = 2, 16
-    cache = torch.randn(2, 4, width)
-    table = torch.tensor([[1]], dtype=torch.int32)
-    q = torch.randn(1, heads, width)
+    q, cache, table = _one_block(heads, width)
     args = (q, torch.tensor([0, 1], dtype=torch.int32), cache, table,
             torch.tensor([4], dtype=torch.int32), torch.tensor([[0, 1, 2, 3]]))  # fmt: skip
     with_sink = v4_sparse_attention(*args, torch.full((heads,), sink), width**-0.5)

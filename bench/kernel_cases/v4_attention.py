@@ -66,8 +66,8 @@ def _cases(cfg: DeepseekV4Config, batch: int, ctx: int, gen: torch.Generator):
     csa_entries, hca_entries = ctx // cfg.csa_compress_rate, ctx // cfg.hca_compress_rate
     csa_pool = _paged(batch, csa_entries, c, POOL_BLOCK, gen)
     index_pool = _paged(batch, csa_entries, cfg.index_head_dim, POOL_BLOCK, gen)
-    q_idx = torch.randn(batch, cfg.index_n_heads, cfg.index_head_dim, generator=gen)
-    q_idx = q_idx.to(torch.bfloat16)
+    q_idx = torch.randn(batch, cfg.index_n_heads, cfg.index_head_dim, generator=gen,
+                        dtype=torch.bfloat16)  # fmt: skip
     weights = torch.rand(batch, cfg.index_n_heads, generator=gen) * cfg.index_n_heads**-0.5
     last_entry = torch.full((batch,), csa_entries - 1, dtype=torch.int64)
     hca_pool = _paged(batch, hca_entries, c, POOL_BLOCK, gen)
