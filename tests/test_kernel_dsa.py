@@ -133,11 +133,13 @@ def test_indexer_topk_larger_than_context_pads_with_minus_one():
     ]
 
 
+# dim 32: bf16 takes the AMX core where there is one, over many 256-key chunks and tiles
+@pytest.mark.parametrize("dim", [16, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_indexer_long_context_split_across_threads(dtype):
+def test_indexer_long_context_split_across_threads(dtype, dim):
     # One decode query over 9000 positions: cut into pieces merged afterwards (2+ threads),
     # plus a prefill of 5 queries; integer scores, so exact (and tie-heavy).
-    inputs = make_indexer([9000, 300], [1, 5], 8, 16, 64, dtype, 200, seed=3, values="integer")
+    inputs = make_indexer([9000, 300], [1, 5], 8, dim, 64, dtype, 200, seed=3, values="integer")
     scores = dsa_visible_scores_ref(*inputs.args()[:7])
     with _threads(2):
         selected = dsa_indexer_topk(*inputs.args())
