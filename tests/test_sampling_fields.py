@@ -11,7 +11,7 @@ import torch
 
 import mlafx
 from mlafx.runtime.request import Request
-from mlafx.runtime.sampler import process_logits
+from mlafx.runtime.sampler import SamplingError, process_logits, sample
 from mlafx.runtime.sampling_params import RequestMetrics
 from tests.tiny_models import tiny_llm
 
@@ -166,6 +166,20 @@ def test_logit_processing_matches_the_reference():
     want = reference_processing(logits, prompt, output[:2], params, eos=[1])
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and got[1] == got[4] == -math.inf
     assert torch.allclose(got[torch.isfinite(got)], want[torch.isfinite(want)])
+
+
+def test_a_tiny_repetition_penalty_keeps_the_distribution_finite():
+    """Dividing a positive logit by 5.5e-263 overflows float32: the seen token gets the
+    largest finite logit, so it is drawn (and sampled without a SamplingError)."""
+    params = mlafx.SamplingParams(max_tokens=4, temperature=0.7, repetition_penalty=5.5e-263)
+    request = Request("0", [3, 5], params, RequestMetrics(0.0))
+    logits = torch.linspace(-2.0, 2.0, 16)
+    logits[3] = 0.5
+    got = process_logits(logits, request, eos_token_ids=[])
+    assert torch.isfinite(got).all()
+    assert got[3] == torch.finfo(torch.float32).max and got.argmax() == 3
+    (drawn,) = sample(logits[None], [request])
+    assert not isinstance(drawn, SamplingError) and drawn.token_id == 3
 
 
 def test_penalties_and_bias_change_what_is_drawn(llm):

@@ -86,9 +86,12 @@ def process_logits(
             dtype=torch.int64,
         )
         values = logits[seen]
+        # A penalty near 0 divides a positive logit past float32's range, and +inf leaves no
+        # distribution to draw from (schemathesis sent repetition_penalty=5.5e-263): the
+        # largest finite logit keeps the meaning, that token wins.
         logits[seen] = torch.where(
             values > 0, values / params.repetition_penalty, values * params.repetition_penalty
-        )
+        ).clamp(max=torch.finfo(torch.float32).max)
     if (params.frequency_penalty or params.presence_penalty) and request.output_token_ids:
         counts = torch.bincount(
             torch.tensor(request.output_token_ids, dtype=torch.int64), minlength=vocab
