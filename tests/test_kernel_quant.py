@@ -310,6 +310,16 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
         for M, K, N in shapes:
             x = _rows(M, K, torch.bfloat16, gen, "strided")
             linear_cases.append((x, quantize_linear_weight(_weight(N, K, gen), bits), N))
+    # the activation quantizer on the other input dtypes and on its edge groups: all zero,
+    # -0, values whose 1 / d overflows, a last group of 13 columns
+    edge = torch.randn(4, 77, generator=gen)
+    edge[0, :32] = 0.0
+    edge[1, 40] = -0.0
+    edge[2, :64] = 0.0
+    edge[2, 3], edge[2, 40] = 1e-38, -3e-39
+    for x in (edge, _rows(5, 77, torch.float16, gen, "strided"), edge[:, :45].bfloat16()):
+        packed = quantize_linear_weight(_weight(40, x.shape[1], gen), 4)
+        linear_cases.append((x, packed, 40))
     # the K formats (GGUF's Q4_K as k4, Q6_K and Q5_K as k8): every row-tile remainder, N
     # not a multiple of 16, several super-blocks and weight chunks
     for qtype in (Q.Q4_K, Q.Q6_K, Q.Q5_K):

@@ -64,6 +64,9 @@ inline void unpack_quants(const uint8_t* quants, int z, int16_t (*v)[kQuantGroup
   }
 }
 
+// The element type of the activations a kernel reads.
+enum class ActivationType { kFloat32, kBFloat16, kFloat16 };
+
 // Rows of x quantized per group of 32 columns (quant_format.quantize_activations):
 //   q [M, ldq] int8 in [-127, 127] (zero past K), d [M, G] fp32, qsum [M, G] = sum of q.
 // A group whose scale is not finite (NaN or inf in x) has q = 0: d_x then makes every
@@ -94,6 +97,13 @@ void kquant_dot_portable(int bits, const QuantRows& x, int64_t M, const uint8_t*
 }  // namespace mlafx
 
 namespace mlafx::avx512 {
+
+// quantize_activations' step (quant_dot.cpp) on rows [m0, m1) of x [M, K] (`type`, row
+// stride ldx elements, last dim contiguous) into q [M, groups * 32], d and qsum [M, groups],
+// bit-identical to the portable quantize_group (quant_activations_avx512.cpp); call only
+// when mlafx::use_avx512_vnni().
+void quantize_rows_avx512(ActivationType type, const void* x, int64_t ldx, int64_t K, int64_t m0,
+                          int64_t m1, int64_t groups, int8_t* q, float* d, int32_t* qsum);
 
 // The contract of quant_dot (quant_dot_avx512.cpp); call only when mlafx::use_avx512_vnni().
 void quant_dot_vnni(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,

@@ -150,7 +150,18 @@ QuantizedActivations quantize_activations(const at::Tensor& x) {
     return out;
   }
   const int64_t ldx = x.stride(0);
-  // ~1 us per 2048 values: a grain of 16 rows keeps thread wake-ups below the work.
+  if (use_avx512_vnni()) {
+    // ~0.15 us per 2048 values: a grain of 64 rows keeps thread wake-ups below the work.
+    const ActivationType type = x.scalar_type() == at::kFloat      ? ActivationType::kFloat32
+                                : x.scalar_type() == at::kBFloat16 ? ActivationType::kBFloat16
+                                                                   : ActivationType::kFloat16;
+    mlafx::parallel_chunks(0, out.rows, 64, [&](int64_t m0, int64_t m1) {
+      avx512::quantize_rows_avx512(type, x.const_data_ptr(), ldx, K, m0, m1, out.groups,
+                                   out.q.data(), out.d.data(), out.qsum.data());
+    });
+    return out;
+  }
+  // ~3 us per 2048 values: a grain of 16 rows keeps thread wake-ups below the work.
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
     const scalar_t* data = x.const_data_ptr<scalar_t>();
     mlafx::parallel_chunks(0, out.rows, 16, [&](int64_t m0, int64_t m1) {

@@ -16,17 +16,20 @@
 // Tiles: MR rows of x x MB blocks, each (row, block) its own int32 chain: a chain of VPDPBUSD
 // has ~5 cycles of latency at 1-2 per cycle, so >= 8 independent chains keep the unit busy.
 // Registers: MR*MB int32 + MR*MB fp32 accumulators + MR broadcasts + one weight vector <= 32:
-// (MR, MB) = (1, 8), (2, 4), (3, 2), (4, 2). Blocks are walked in chunks of ~256 KB of
+// (MR, MB) = (1, 8), (2, 4), (3, 2), (4, 2), and for int4 at 5-8 rows (MR, 1). Blocks are walked in chunks of ~256 KB of
 // weights, and every row tile of x runs over a chunk before the next one: with M <= 4 (decode)
 // each weight byte is read once, from memory; with more rows the chunk is re-read from L2 per
-// 4 rows of x (prefill: 4 x 8 x 64 = 2 K MACs per 64-byte L2 line). With more than one row
-// the first row tile of a chunk prefetches 4 groups ahead. Measured on a Zen 5 EPYC (2 Dec
+// 4 rows of x (prefill: 4 x 8 x 64 = 2 K MACs per 64-byte L2 line). The first row tile of a
+// chunk prefetches 4 groups ahead. Measured on a Zen 5 EPYC (2 Dec
 // 2026, 2 threads, cold weights, interleaved A/B in one process, ms): lm_head 2048 -> 102400
 // at 8 rows int8 6.6-7.0 with the prefetch against 8.9-9.1 without, int4 4.6-4.8 against
 // 6.2-6.5 (3.0-3.6 at one row); no change at one row or at 1024. One-pass decode tiles of 8
 // rows (int4, 8 x 2 with the fp32 sums in out) or 6 (int8) did not beat two (4, 2) passes
 // (int4 8.4 against 7.1, int8 8.0-8.2 against 8.9, both without prefetch); the memory of this
 // VM moved such figures by up to 2x between processes, hence the A/B in one process.
+// On a Xeon with AMX (5 Dec 2026, 2 threads, cold) the one-pass (8, 1) tile took int4 q_proj
+// 2048 -> 3072 at 8 rows from 0.319 to 0.276 ms (the nibble unpacking is shared by 8 rows, and
+// the weights are read from memory once); int8, with nothing to unpack, gained nothing.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -147,17 +150,21 @@ void tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups,
   }
 }
 
-// Blocks [b0, b1) for rows m0..m0+MR-1: MB at a time, the rest one by one.
+// Blocks [b0, b1) for rows m0..m0+MR-1: MB at a time, the rest MB / 2 at a time, and so on.
+// A tile reads its MB blocks as MB streams; a remainder taken one block at a time was one
+// stream and a single chain of VPDPBUSD, and in the MoE's per-expert slices of 44 blocks
+// (8 x 5 + 4) those last 4 blocks took a third of the time (perf, Xeon, 5 Dec 2026).
 template <int kBits, int MB, int MR>
 void row_tile(const QuantRows& x, int64_t m0, const uint8_t* packed, int64_t groups,
               int64_t b0, int64_t b1, int64_t out_block0, float* out, int64_t ldo,
               bool prefetch) {
+  static_assert((MB & (MB - 1)) == 0, "MB must be a power of two");
   int64_t b = b0;
   for (; b + MB <= b1; b += MB) {
     tile<kBits, MB, MR>(x, m0, packed, groups, b, out_block0, out, ldo, prefetch);
   }
-  for (; b < b1; ++b) {
-    tile<kBits, 1, MR>(x, m0, packed, groups, b, out_block0, out, ldo, prefetch);
+  if constexpr (MB > 1) {
+    row_tile<kBits, MB / 2, MR>(x, m0, packed, groups, b, b1, out_block0, out, ldo, prefetch);
   }
 }
 
@@ -170,8 +177,27 @@ void quant_dot_bits(const QuantRows& x, int64_t M, const uint8_t* packed, int64_
     const int64_t c1 = std::min(block_end, c0 + chunk);
     // The first row tile of a chunk reads it from memory; with more than one row its
     // arithmetic per byte outruns the hardware prefetcher, so it prefetches 4 groups ahead.
+    // At one row too: the MoE's short per-expert slices start new streams all the time (Xeon,
+    // 5 Dec 2026: int4 experts at batch 1 1.26 -> 1.14 ms, batch 8 7.8 -> 7.6 ms a layer).
     int64_t m0 = 0;
-    auto prefetch = [&] { return m0 == 0 && M > 1; };
+    auto prefetch = [&] { return m0 == 0; };
+    if (kBits == 4 && M > 4 && M <= 8) {  // decode batches: one pass, 1 block x M rows
+      switch (M) {
+        case 8:
+          row_tile<kBits, 1, 8>(x, 0, packed, groups, c0, c1, block_begin, out, ldo, true);
+          break;
+        case 7:
+          row_tile<kBits, 1, 7>(x, 0, packed, groups, c0, c1, block_begin, out, ldo, true);
+          break;
+        case 6:
+          row_tile<kBits, 1, 6>(x, 0, packed, groups, c0, c1, block_begin, out, ldo, true);
+          break;
+        default:
+          row_tile<kBits, 1, 5>(x, 0, packed, groups, c0, c1, block_begin, out, ldo, true);
+          break;
+      }
+      continue;
+    }
     for (; m0 + 4 <= M; m0 += 4) {
       row_tile<kBits, 2, 4>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, prefetch());
     }
