@@ -68,7 +68,7 @@ AVX2_SUFFIX = "_avx2.cpp"
 # `*_amx_avx512.cpp` also get the AMX tile instructions (Sapphire Rapids and later); like the
 # AVX-512 sources they are only called after the run-time check (cpu_features.h), which also
 # asks Linux for permission to use the tile state.
-AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
+AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 AMX_SUFFIX = "_amx_avx512.cpp"
 
 

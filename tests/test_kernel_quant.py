@@ -306,6 +306,8 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
     linear_cases = []
     shapes = [(1, 77, 33), (5, 64 + 13, 100), (6, 33, 17), (7, 96, 40), (8, 256, 17)]
     shapes += [(33, 256, 17), (1, 2048, 200), (8, 2048 + 13, 70), (1030, 96 + 5, 40)]
+    # AMX-INT8 from 16 rows (int8) / 64 (int4): whole row tiles, several steps of blocks
+    shapes += [(16, 64, 16), (64, 2048, 300)]
     for bits in (8, 4):
         for M, K, N in shapes:
             x = _rows(M, K, torch.bfloat16, gen, "strided")
@@ -341,17 +343,25 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
     portable_isa, portable, portable_moe, portable_packed = _run_probe(
         tmp_path, "portable", MLAFX_DISABLE_AVX512="1"
     )
+    # where the CPU has AMX-INT8, the best path runs it from 16 rows; without it, VNNI alone
+    _, no_amx, no_amx_moe, _ = _run_probe(tmp_path, "no_amx", MLAFX_DISABLE_AMX="1")
     assert portable_isa == "portable"
     flags = _cpu_flags()
     if {"avx2", "fma", "f16c"} <= flags:
         assert isa in ("avx2", "avx512_vnni"), isa
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"} <= flags:
         assert isa == "avx512_vnni", isa
-    for (x, packed, n), out, expected in zip(linear_cases, best, portable, strict=True):
+    for (x, packed, n), out, out_vnni, expected in zip(
+        linear_cases, best, no_amx, portable, strict=True
+    ):
         assert torch.equal(out, expected), (isa, tuple(x.shape), n, packed.shape[-1])
+        assert torch.equal(out_vnni, expected), ("no AMX", tuple(x.shape), n)
         _assert_within_bound(out, x, packed, n)
-    for args, out, expected in zip(moe_cases, best_moe, portable_moe, strict=True):
+    for args, out, out_vnni, expected in zip(
+        moe_cases, best_moe, no_amx_moe, portable_moe, strict=True
+    ):
         assert torch.equal(out, expected), (isa, tuple(args[0].shape))
+        assert torch.equal(out_vnni, expected), ("no AMX", tuple(args[0].shape))
         reference = moe_experts_quantized_f64(*args)
         scale = max(reference.abs().max().item(), 1e-6)
         torch.testing.assert_close(out.double(), reference, atol=2e-2 * scale, rtol=2e-2)

@@ -39,6 +39,39 @@ bool avx512_disabled_by_env() { return env_flag("MLAFX_DISABLE_AVX512"); }
 
 bool amx_disabled_by_env() { return env_flag("MLAFX_DISABLE_AMX"); }
 
+namespace {
+
+// CPUID.(7, 0).EDX bit `bit` (22: AMX-BF16, 24: AMX-TILE, 25: AMX-INT8).
+bool cpuid7_edx(int bit) {
+#if defined(__x86_64__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) != 0 && ((edx >> bit) & 1u);
+#else
+  (void)bit;
+  return false;
+#endif
+}
+
+// Linux keeps the 8 KB tile data state off until a process asks for it (kernel 5.16+).
+bool amx_permitted() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool cpu_supports_amx_int8() { return cpuid7_edx(24) && cpuid7_edx(25) && amx_permitted(); }
+
+bool use_amx_int8() {
+  static const bool use = use_avx512_vnni() && !amx_disabled_by_env() && cpu_supports_amx_int8();
+  return use;
+}
+
 bool cpu_supports_amx_bf16() {
 #if defined(__linux__) && defined(__x86_64__)
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;

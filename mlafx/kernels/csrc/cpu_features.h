@@ -58,6 +58,13 @@ bool amx_disabled_by_env();
 // kernels (`*_amx_avx512.cpp`) may only be called when this is true.
 bool use_amx_bf16();
 
+// True iff the CPU has AMX-TILE + AMX-INT8 and Linux granted this process the tile state.
+bool cpu_supports_amx_int8();
+
+// use_avx512_vnni() and AMX-INT8 support and not MLAFX_DISABLE_AMX; computed once per process:
+// the quantized products' tile kernel (quant_dot_amx_avx512.cpp) may only run when true.
+bool use_amx_int8();
+
 // "avx512_amx", "avx512_bf16", "avx2" or "portable": which path the kernels take in this
 // process. "avx2" (no AVX-512 BF16): the attention cores, the quantized and the block FP8
 // products are vectorised; the bf16 GEMMs and experts run portably.

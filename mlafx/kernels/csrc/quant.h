@@ -105,6 +105,13 @@ namespace mlafx::avx512 {
 void quantize_rows_avx512(ActivationType type, const void* x, int64_t ldx, int64_t K, int64_t m0,
                           int64_t m1, int64_t groups, int8_t* q, float* d, int32_t* qsum);
 
+// The contract of quant_dot on the AMX-INT8 tile unit for the rows in whole tiles of 16, the
+// rest on quant_dot_vnni (quant_dot_amx_avx512.cpp); bit-identical. Call only when
+// mlafx::use_amx_int8(), with at most 16 blocks.
+void quant_dot_amx(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
+                   int64_t groups, int64_t block_begin, int64_t block_end, float* out,
+                   int64_t ldo);
+
 // The contract of quant_dot (quant_dot_avx512.cpp); call only when mlafx::use_avx512_vnni().
 void quant_dot_vnni(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
                     int64_t groups, int64_t block_begin, int64_t block_end, float* out,
