@@ -72,25 +72,7 @@ bool use_amx_int8() {
   return use;
 }
 
-bool cpu_supports_amx_bf16() {
-#if defined(__linux__) && defined(__x86_64__)
-  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) {
-    return false;
-  }
-  const bool amx_bf16 = (edx >> 22) & 1u;
-  const bool amx_tile = (edx >> 24) & 1u;
-  if (!amx_bf16 || !amx_tile) {
-    return false;
-  }
-  // Linux keeps the 8 KB tile data state off until a process asks for it (kernel 5.16+).
-  constexpr long kArchReqXcompPerm = 0x1023;
-  constexpr long kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
-}
+bool cpu_supports_amx_bf16() { return cpuid7_edx(22) && cpuid7_edx(24) && amx_permitted(); }
 
 bool cpu_supports_avx512_vnni() {
 #if defined(__x86_64__) || defined(__i386__)
