@@ -82,8 +82,10 @@ struct QuantRows {
 // out[m * ldo + 16 * (b - block_begin) + i] = sum_g d_w[16b+i, g] * d_x[m, g] * isum(m, b, i, g)
 // for m < M, block_begin <= b < block_end, i < 16, summed in fp32 in group order; packed is
 // uint8 [NB, G, S] in `format` (G counts super-blocks for the K formats, whose terms are
-// kquant_format.py's). Int formats: the AVX-512 VNNI kernel when use_avx512_vnni(), else the
-// AVX2 one when use_avx2(), else the portable one; K formats: the AVX2 kernel when use_avx2()
+// kquant_format.py's). Int formats: the AMX-INT8 kernel from 16 rows of x (int8) or 64 (int4)
+// when use_amx_int8() and at most 16 blocks, else the AVX-512 VNNI kernel when
+// use_avx512_vnni(), else the AVX2 one when use_avx2(), else the portable one; K formats:
+// the AVX2 kernel when use_avx2()
 // (on AVX-512 hosts too), else the portable one. Every path gives bit-identical results.
 // Single-threaded: callers give each thread its own range of blocks.
 void quant_dot(int format, const QuantRows& x, int64_t M, const uint8_t* packed, int64_t groups,
