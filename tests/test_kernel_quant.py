@@ -331,6 +331,8 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
     # moe: the streaming path (few pairs per expert) and the per-expert GEMM path (> 16), and
     # a GGUF Q4_K_M-like stack (gate/up k4, down k8)
     moe_cases = [_moe_case(T, 64 + 13, 21, 3, 2, bits, gen) for bits in (8, 4) for T in (3, 40)]
+    # 16 int8 rows on one streamed expert: AMX-INT8 over a thread's 19 blocks of w2's rows
+    moe_cases.append(_moe_case(16, 600, 64, 1, 1, 8, gen))
     moe_cases += [kquant_moe_case(T, 256, 256, 3, 2, gen) for T in (3, 40)]
     # the weight quantizer (AVX2: 8 groups per vector), odd K and a zero-padded last block
     weight_cases = [

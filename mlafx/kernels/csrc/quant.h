@@ -83,7 +83,7 @@ struct QuantRows {
 // for m < M, block_begin <= b < block_end, i < 16, summed in fp32 in group order; packed is
 // uint8 [NB, G, S] in `format` (G counts super-blocks for the K formats, whose terms are
 // kquant_format.py's). Int formats: the AMX-INT8 kernel from 16 rows of x (int8) or 64 (int4)
-// when use_amx_int8() and at most 16 blocks, else the AVX-512 VNNI kernel when
+// when use_amx_int8(), else the AVX-512 VNNI kernel when
 // use_avx512_vnni(), else the AVX2 one when use_avx2(), else the portable one; K formats:
 // the AVX2 kernel when use_avx2()
 // (on AVX-512 hosts too), else the portable one. Every path gives bit-identical results.
@@ -109,7 +109,7 @@ void quantize_rows_avx512(ActivationType type, const void* x, int64_t ldx, int64
 
 // The contract of quant_dot on the AMX-INT8 tile unit for the rows in whole tiles of 16, the
 // rest on quant_dot_vnni (quant_dot_amx_avx512.cpp); bit-identical. Call only when
-// mlafx::use_amx_int8(), with at most 16 blocks.
+// mlafx::use_amx_int8().
 void quant_dot_amx(int bits, const QuantRows& x, int64_t M, const uint8_t* packed,
                    int64_t groups, int64_t block_begin, int64_t block_end, float* out,
                    int64_t ldo);

@@ -235,7 +235,7 @@ void quant_dot(int format, const QuantRows& x, int64_t M, const uint8_t* packed,
     } else {
       kquant_dot_portable(bits, x, M, packed, groups, block_begin, block_end, out, ldo);
     }
-  } else if (M >= amx_min_rows(bits) && block_end - block_begin <= 16 && use_amx_int8()) {
+  } else if (M >= amx_min_rows(bits) && use_amx_int8()) {
     avx512::quant_dot_amx(bits, x, M, packed, groups, block_begin, block_end, out, ldo);
   } else if (use_avx512_vnni()) {
     avx512::quant_dot_vnni(bits, x, M, packed, groups, block_begin, block_end, out, ldo);

@@ -5,8 +5,8 @@
 //
 // The int8 packed group is the tile unit's B layout as it lies (byte 64s + 4i + j: weight row
 // i's columns 4s + j, i.e. B row s holds 4 consecutive k of each of the 16 outputs); int4
-// groups are unpacked once per block into an L1/L2 staging copy in that layout (rows 0-3 the
-// low nibbles, 4-7 the high). x's quantized rows are A tiles as they lie (16 rows x 32 bytes
+// groups are unpacked once per call, 16 blocks at a time, into an L2 staging copy in that
+// layout (rows 0-3 the low nibbles, 4-7 the high). x's quantized rows are A tiles as they lie (16 rows x 32 bytes
 // of a group, the row stride as the tile stride). TDPBSUD (signed x, unsigned stored weights)
 // gives sum q_x * stored; the zero point comes off in the epilogue (- z * sum q_x). Each
 // group's 16 x 16 int32 sums go through a tile store and the epilogue of the VNNI kernel
@@ -22,6 +22,7 @@
 // next step; quant_dot.cpp's amx_min_rows says where this kernel is taken.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -37,6 +38,7 @@ namespace {
 
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kBRows = kQuantGroup / 4;  // 8 rows of 4 k per group
+constexpr int64_t kStageBlocks = 16;         // blocks unpacked (int4) and walked at once
 
 // Tiles 0/1: accumulators (16 rows x 16 int32); 2/3: x (16 rows x 32 bytes); 4/5: weights
 // (8 rows x 64 bytes).
@@ -147,28 +149,32 @@ void quant_dot_amx(int bits, const QuantRows& x, int64_t M, const uint8_t* packe
     configure();
     const int64_t S = quant_group_bytes(bits);
     const int32_t z = bits == 8 ? 128 : 8;
-    // int4: every block's groups as int8 B tiles, 64-byte aligned (callers pass <= 16 blocks:
-    // at most 16 x 32 KB for K = 2048)
+    const bool int4 = bits == 4;
+    // int4: a chunk's groups as int8 B tiles, 64-byte aligned (at most 16 x 32 KB for K 2048)
+    const int64_t block_staging = groups * 512;
     std::vector<uint8_t> staging_buffer;
     uint8_t* staging = nullptr;
-    const int64_t block_staging = groups * 512;
-    if (bits == 4) {
-      staging_buffer.resize(static_cast<size_t>((block_end - block_begin) * block_staging + 64));
+    if (int4) {
+      staging_buffer.resize(static_cast<size_t>(
+          std::min(block_end - block_begin, kStageBlocks) * block_staging + 64));
       staging = reinterpret_cast<uint8_t*>(
           (reinterpret_cast<uintptr_t>(staging_buffer.data()) + 63) / 64 * 64);
-      for (int64_t b = block_begin; b < block_end; ++b) {
-        unpack_int4_block(packed + b * groups * S, groups,
-                          staging + (b - block_begin) * block_staging);
-      }
     }
-    // each row tile of x (16 x K bytes) stays in cache across the blocks
-    for (int64_t m0 = 0; m0 < full; m0 += kTileRows) {
-      for (int64_t b = block_begin; b < block_end; ++b) {
-        const uint8_t* block = packed + b * groups * S;
-        const bool int4 = bits == 4;
-        row_tile(x, m0, int4 ? staging + (b - block_begin) * block_staging : block,
-                 int4 ? 512 : S, block + quant_bytes(bits), S, groups, z,
-                 out + m0 * ldo + (b - block_begin) * kQuantBlockRows, ldo);
+    for (int64_t c0 = block_begin; c0 < block_end; c0 += kStageBlocks) {
+      const int64_t c1 = std::min(block_end, c0 + kStageBlocks);
+      if (int4) {
+        for (int64_t b = c0; b < c1; ++b) {
+          unpack_int4_block(packed + b * groups * S, groups, staging + (b - c0) * block_staging);
+        }
+      }
+      // each row tile of x (16 x K bytes) stays in cache across the chunk's blocks
+      for (int64_t m0 = 0; m0 < full; m0 += kTileRows) {
+        for (int64_t b = c0; b < c1; ++b) {
+          const uint8_t* block = packed + b * groups * S;
+          row_tile(x, m0, int4 ? staging + (b - c0) * block_staging : block, int4 ? 512 : S,
+                   block + quant_bytes(bits), S, groups, z,
+                   out + m0 * ldo + (b - block_begin) * kQuantBlockRows, ldo);
+        }
       }
     }
   }

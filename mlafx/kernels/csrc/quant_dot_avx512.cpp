@@ -16,9 +16,10 @@
 // Tiles: MR rows of x x MB blocks, each (row, block) its own int32 chain: a chain of VPDPBUSD
 // has ~5 cycles of latency at 1-2 per cycle, so >= 8 independent chains keep the unit busy.
 // Registers: MR*MB int32 + MR*MB fp32 accumulators + MR broadcasts + one weight vector <= 32:
-// (MR, MB) = (1, 8), (2, 4), (3, 2), (4, 2), and for int4 at 5-8 rows (MR, 1). Blocks are walked in chunks of ~256 KB of
-// weights, and every row tile of x runs over a chunk before the next one: with M <= 4 (decode)
-// each weight byte is read once, from memory; with more rows the chunk is re-read from L2 per
+// (MR, MB) = (1, 8), (2, 4), (3, 2), (4, 2), and for int4 at 5-8 rows (MR, 1). Blocks are
+// walked in chunks of ~256 KB of weights, and every row tile of x runs over a chunk before the
+// next one: with M <= 4 (decode; int4 up to 8) each weight byte is read once, from memory;
+// with more rows the chunk is re-read from L2 per
 // 4 rows of x (prefill: 4 x 8 x 64 = 2 K MACs per 64-byte L2 line). The first row tile of a
 // chunk prefetches 4 groups ahead. Measured on a Zen 5 EPYC (2 Dec
 // 2026, 2 threads, cold weights, interleaved A/B in one process, ms): lm_head 2048 -> 102400
@@ -180,7 +181,6 @@ void quant_dot_bits(const QuantRows& x, int64_t M, const uint8_t* packed, int64_
     // At one row too: the MoE's short per-expert slices start new streams all the time (Xeon,
     // 5 Dec 2026: int4 experts at batch 1 1.26 -> 1.14 ms, batch 8 7.8 -> 7.6 ms a layer).
     int64_t m0 = 0;
-    auto prefetch = [&] { return m0 == 0; };
     if (kBits == 4 && M > 4 && M <= 8) {  // decode batches: one pass, 1 block x M rows
       switch (M) {
         case 8:
@@ -199,17 +199,17 @@ void quant_dot_bits(const QuantRows& x, int64_t M, const uint8_t* packed, int64_
       continue;
     }
     for (; m0 + 4 <= M; m0 += 4) {
-      row_tile<kBits, 2, 4>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, prefetch());
+      row_tile<kBits, 2, 4>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, m0 == 0);
     }
     switch (M - m0) {
       case 3:
-        row_tile<kBits, 2, 3>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, prefetch());
+        row_tile<kBits, 2, 3>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, m0 == 0);
         break;
       case 2:
-        row_tile<kBits, 4, 2>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, prefetch());
+        row_tile<kBits, 4, 2>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, m0 == 0);
         break;
       case 1:
-        row_tile<kBits, 8, 1>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, prefetch());
+        row_tile<kBits, 8, 1>(x, m0, packed, groups, c0, c1, block_begin, out, ldo, m0 == 0);
         break;
       default:
         break;
