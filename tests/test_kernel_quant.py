@@ -306,8 +306,9 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
     linear_cases = []
     shapes = [(1, 77, 33), (5, 64 + 13, 100), (6, 33, 17), (7, 96, 40), (8, 256, 17)]
     shapes += [(33, 256, 17), (1, 2048, 200), (8, 2048 + 13, 70), (1030, 96 + 5, 40)]
-    # AMX-INT8 from 16 rows (int8) / 64 (int4): whole row tiles, several steps of blocks
-    shapes += [(16, 64, 16), (64, 2048, 300)]
+    # AMX-INT8 from 48 rows (int8) / 32 (int4): whole row tiles, several steps of blocks, a
+    # partial last row tile, odd K (the padded row stride of the quantized rows)
+    shapes += [(32, 64, 16), (48, 64, 16), (64, 2048, 300), (50, 2048 + 13, 40)]
     for bits in (8, 4):
         for M, K, N in shapes:
             x = _rows(M, K, torch.bfloat16, gen, "strided")
@@ -331,8 +332,9 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
     # moe: the streaming path (few pairs per expert) and the per-expert GEMM path (> 16), and
     # a GGUF Q4_K_M-like stack (gate/up k4, down k8)
     moe_cases = [_moe_case(T, 64 + 13, 21, 3, 2, bits, gen) for bits in (8, 4) for T in (3, 40)]
-    # 16 int8 rows on one streamed expert: AMX-INT8 over a thread's 19 blocks of w2's rows
-    moe_cases.append(_moe_case(16, 600, 64, 1, 1, 8, gen))
+    # 48 rows on one expert (the per-expert GEMM path): AMX-INT8 over a thread's 19 blocks of
+    # w2's rows, more than one staged chunk
+    moe_cases += [_moe_case(48, 600, 64, 1, 1, bits, gen) for bits in (8, 4)]
     moe_cases += [kquant_moe_case(T, 256, 256, 3, 2, gen) for T in (3, 40)]
     # the weight quantizer (AVX2: 8 groups per vector), odd K and a zero-padded last block
     weight_cases = [
@@ -345,7 +347,7 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
     portable_isa, portable, portable_moe, portable_packed = _run_probe(
         tmp_path, "portable", MLAFX_DISABLE_AVX512="1"
     )
-    # where the CPU has AMX-INT8, the best path runs it from 16 rows; without it, VNNI alone
+    # where the CPU has AMX-INT8, the best path runs it from 32 / 48 rows; without it, VNNI alone
     _, no_amx, no_amx_moe, _ = _run_probe(tmp_path, "no_amx", MLAFX_DISABLE_AMX="1")
     assert portable_isa == "portable"
     flags = _cpu_flags()

@@ -201,7 +201,7 @@ void run_range(const Fp8Weight& w, const Fp8Activations& xa, int64_t M, int64_t 
     const int64_t ld = s1 - s0;
     fp8_dot(w, x, M, s0, s1, scratch.data(), ld);
     for (int64_t m = 0; m < M; ++m) {
-      for (int64_t n = s0; n < s1; ++n) out[m * N + n] = static_cast<scalar_t>(scratch[m * ld + n - s0]);
+      round_row(scratch.data() + m * ld, out + m * N + s0, ld);
     }
   }
 }

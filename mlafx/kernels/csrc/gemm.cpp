@@ -57,7 +57,6 @@
 #include "gemm.h"
 #include "gemm_aten.h"
 #include "parallel_chunks.h"
-#include "latent_cache.h"  // avx512::convert_fp32_to_bf16 (RNE, bit-exact with c10)
 
 namespace mlafx {
 namespace {
@@ -438,18 +437,7 @@ at::Tensor linear_streaming(const at::Tensor& x,       // [M, K]
               src[n] += static_cast<float>(bias_data[n]);
             }
           }
-          scalar_t* dst = out_data + m * N;
-          // With short rows (kv_b_proj: K = 512) a scalar rounding loop took ~10% of the time.
-          if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-            if (use_avx512_bf16()) {
-              avx512::convert_fp32_to_bf16(src + n0, reinterpret_cast<uint16_t*>(dst + n0),
-                                           n1 - n0);
-              continue;
-            }
-          }
-          for (int64_t n = n0; n < n1; ++n) {
-            dst[n] = static_cast<scalar_t>(src[n]);
-          }
+          round_row(src + n0, out_data + m * N + n0, n1 - n0);
         }
       }
     }, /*align=*/kBlocksPerStep);

@@ -71,6 +71,14 @@ enum class ActivationType { kFloat32, kBFloat16, kFloat16 };
 //   q [M, ldq] int8 in [-127, 127] (zero past K), d [M, G] fp32, qsum [M, G] = sum of q.
 // A group whose scale is not finite (NaN or inf in x) has q = 0: d_x then makes every
 // output of that row NaN, as in the reference (0 * inf and 0 * NaN are NaN).
+// The row stride of quantized activations: groups * 32 bytes rounded up to an odd number of
+// cache lines, so that the 16 rows of a tile of x fall into different L1 sets (with K = 2048
+// they all shared two, and the AMX kernel's x tiles evicted each other).
+constexpr int64_t quant_row_stride(int64_t groups) {
+  const int64_t lines = (groups * kQuantGroup + 63) / 64;
+  return (lines | 1) * 64;
+}
+
 struct QuantRows {
   const int8_t* q;
   int64_t ldq;  // >= G * 32
@@ -82,7 +90,7 @@ struct QuantRows {
 // out[m * ldo + 16 * (b - block_begin) + i] = sum_g d_w[16b+i, g] * d_x[m, g] * isum(m, b, i, g)
 // for m < M, block_begin <= b < block_end, i < 16, summed in fp32 in group order; packed is
 // uint8 [NB, G, S] in `format` (G counts super-blocks for the K formats, whose terms are
-// kquant_format.py's). Int formats: the AMX-INT8 kernel from 16 rows of x (int8) or 64 (int4)
+// kquant_format.py's). Int formats: the AMX-INT8 kernel from 48 rows of x (int8) or 32 (int4)
 // when use_amx_int8(), else the AVX-512 VNNI kernel when
 // use_avx512_vnni(), else the AVX2 one when use_avx2(), else the portable one; K formats:
 // the AVX2 kernel when use_avx2()
@@ -101,11 +109,12 @@ void kquant_dot_portable(int bits, const QuantRows& x, int64_t M, const uint8_t*
 namespace mlafx::avx512 {
 
 // quantize_activations' step (quant_dot.cpp) on rows [m0, m1) of x [M, K] (`type`, row
-// stride ldx elements, last dim contiguous) into q [M, groups * 32], d and qsum [M, groups],
+// stride ldx elements, last dim contiguous) into q [M, ldq], d and qsum [M, groups],
 // bit-identical to the portable quantize_group (quant_activations_avx512.cpp); call only
 // when mlafx::use_avx512_vnni().
 void quantize_rows_avx512(ActivationType type, const void* x, int64_t ldx, int64_t K, int64_t m0,
-                          int64_t m1, int64_t groups, int8_t* q, float* d, int32_t* qsum);
+                          int64_t m1, int64_t groups, int8_t* q, int64_t ldq, float* d,
+                          int32_t* qsum);
 
 // The contract of quant_dot on the AMX-INT8 tile unit for the rows in whole tiles of 16, the
 // rest on quant_dot_vnni (quant_dot_amx_avx512.cpp); bit-identical. Call only when

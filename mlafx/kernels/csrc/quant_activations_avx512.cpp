@@ -52,7 +52,7 @@ inline __m512i quantize16(__m512 v, __m512 inv) {
 
 template <ActivationType kType>
 void quantize_rows_typed(const void* x, int64_t ldx, int64_t K, int64_t m0, int64_t m1,
-                         int64_t groups, int8_t* q, float* d, int32_t* qsum) {
+                         int64_t groups, int8_t* q, int64_t ldq, float* d, int32_t* qsum) {
   const int64_t element = kType == ActivationType::kFloat32 ? 4 : 2;
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   for (int64_t m = m0; m < m1; ++m) {
@@ -66,7 +66,7 @@ void quantize_rows_typed(const void* x, int64_t ldx, int64_t K, int64_t m0, int6
       const float amax = _mm512_reduce_max_ps(
           _mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
       const float scale = nan ? std::numeric_limits<float>::quiet_NaN() : amax / 127.0f;
-      int8_t* group_q = q + m * groups * kQuantGroup + k0;
+      int8_t* group_q = q + m * ldq + k0;
       d[m * groups + g] = scale;
       if (!std::isfinite(scale)) {
         std::memset(group_q, 0, kQuantGroup);
@@ -86,16 +86,17 @@ void quantize_rows_typed(const void* x, int64_t ldx, int64_t K, int64_t m0, int6
 }  // namespace
 
 void quantize_rows_avx512(ActivationType type, const void* x, int64_t ldx, int64_t K, int64_t m0,
-                          int64_t m1, int64_t groups, int8_t* q, float* d, int32_t* qsum) {
+                          int64_t m1, int64_t groups, int8_t* q, int64_t ldq, float* d,
+                          int32_t* qsum) {
   switch (type) {
     case ActivationType::kFloat32:
-      quantize_rows_typed<ActivationType::kFloat32>(x, ldx, K, m0, m1, groups, q, d, qsum);
+      quantize_rows_typed<ActivationType::kFloat32>(x, ldx, K, m0, m1, groups, q, ldq, d, qsum);
       break;
     case ActivationType::kBFloat16:
-      quantize_rows_typed<ActivationType::kBFloat16>(x, ldx, K, m0, m1, groups, q, d, qsum);
+      quantize_rows_typed<ActivationType::kBFloat16>(x, ldx, K, m0, m1, groups, q, ldq, d, qsum);
       break;
     case ActivationType::kFloat16:
-      quantize_rows_typed<ActivationType::kFloat16>(x, ldx, K, m0, m1, groups, q, d, qsum);
+      quantize_rows_typed<ActivationType::kFloat16>(x, ldx, K, m0, m1, groups, q, ldq, d, qsum);
       break;
   }
 }

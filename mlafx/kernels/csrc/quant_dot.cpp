@@ -29,11 +29,13 @@ namespace {
 constexpr int kGroup = static_cast<int>(kQuantGroup);
 constexpr int kRows = static_cast<int>(kQuantBlockRows);
 // Rows of x from which the int formats take the AMX-INT8 kernel (a tile holds 16). Its
-// per-group epilogue is VNNI's; what it saves is the VPDPBUSD work, which int4 has to match
-// with a copy of every unpacked group. Measured on a Xeon (6 Dec 2026, 2 threads, 2048 -> 3072,
-// ms, AMX / VNNI): int8 at 16 rows 0.27 / 0.34, 64 1.06 / 1.18, 1024 18.4 / 19.1; int4 at 16
-// 0.42 / 0.32, 32 0.68 / 0.62, 64 1.16 / 1.23, 1024 18.1 / 21.4.
-constexpr int64_t amx_min_rows(int bits) { return bits == 8 ? 16 : 64; }
+// per-group epilogue is VNNI's; what it saves is the VPDPBUSD work, against a signed copy of
+// every group (staging) that only enough row tiles repay. Measured on a Xeon (6 Dec 2026, 2
+// threads, ms AMX / VNNI, 2048 -> 3072 and 2048 -> 2816): int8 at 16 rows 0.47 / 0.44 and
+// 0.44 / 0.43, 32 0.76 / 0.73 and 0.83 / 0.71, 48 0.90 / 1.09 and 0.85 / 1.02; int4 at 16
+// 0.51 / 0.49 and 0.45 / 0.42, 32 0.67 / 0.81 and 0.61 / 0.74; at 1024 rows (2048 -> 3072)
+// int4 ~15 / 27, int8 ~15 / 24.
+constexpr int64_t amx_min_rows(int bits) { return bits == 8 ? 48 : 32; }
 
 // Round half to even for |v| <= 2^22 (see quant_weight.cpp).
 inline float round_half_even(float v) {
@@ -81,7 +83,7 @@ void quantize_rows(const scalar_t* x, int64_t ldx, int64_t K, int64_t m0, int64_
       for (int k = 0; k < kGroup; ++k) {
         values[k] = k < width ? static_cast<float>(row[k0 + k]) : 0.0f;
       }
-      quantize_group(values, out.q.data() + m * groups * kGroup + k0,
+      quantize_group(values, out.q.data() + m * out.ldq + k0,
                      out.d.data() + m * groups + g, out.qsum.data() + m * groups + g);
     }
   }
@@ -140,7 +142,7 @@ void quant_dot_portable(const QuantRows& x, int64_t M, const uint8_t* packed, in
 }  // namespace
 
 QuantRows QuantizedActivations::view(int64_t row0) const {
-  return QuantRows{q.data() + row0 * groups * kGroup, groups * kGroup, d.data() + row0 * groups,
+  return QuantRows{q.data() + row0 * ldq, ldq, d.data() + row0 * groups,
                    qsum.data() + row0 * groups, groups};
 }
 
@@ -149,7 +151,8 @@ QuantizedActivations quantize_activations(const at::Tensor& x) {
   out.rows = x.size(0);
   const int64_t K = x.size(1);
   out.groups = (K + kGroup - 1) / kGroup;
-  out.q.resize(static_cast<size_t>(out.rows * out.groups * kGroup));
+  out.ldq = quant_row_stride(out.groups);
+  out.q.resize(static_cast<size_t>(out.rows * out.ldq));
   out.d.resize(static_cast<size_t>(out.rows * out.groups));
   out.qsum.resize(out.d.size());
   if (out.rows == 0 || out.groups == 0) {
@@ -163,7 +166,7 @@ QuantizedActivations quantize_activations(const at::Tensor& x) {
                                                                    : ActivationType::kFloat16;
     mlafx::parallel_chunks(0, out.rows, 64, [&](int64_t m0, int64_t m1) {
       avx512::quantize_rows_avx512(type, x.const_data_ptr(), ldx, K, m0, m1, out.groups,
-                                   out.q.data(), out.d.data(), out.qsum.data());
+                                   out.q.data(), out.ldq, out.d.data(), out.qsum.data());
     });
     return out;
   }
@@ -183,12 +186,13 @@ QuantizedActivations gather_rows(const QuantizedActivations& src,
   out.rows = static_cast<int64_t>(index.size());
   out.groups = src.groups;
   const int64_t G = src.groups;
-  out.q.resize(static_cast<size_t>(out.rows * G * kGroup));
+  out.ldq = src.ldq;
+  out.q.resize(static_cast<size_t>(out.rows * out.ldq));
   out.d.resize(static_cast<size_t>(out.rows * G));
   out.qsum.resize(out.d.size());
   for (int64_t r = 0; r < out.rows; ++r) {
     const int64_t from = index[static_cast<size_t>(r)];
-    std::memcpy(out.q.data() + r * G * kGroup, src.q.data() + from * G * kGroup, G * kGroup);
+    std::memcpy(out.q.data() + r * out.ldq, src.q.data() + from * src.ldq, G * kGroup);
     std::memcpy(out.d.data() + r * G, src.d.data() + from * G, G * sizeof(float));
     std::memcpy(out.qsum.data() + r * G, src.qsum.data() + from * G, G * sizeof(int32_t));
   }

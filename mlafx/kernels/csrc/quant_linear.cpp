@@ -39,26 +39,28 @@ namespace {
 constexpr int64_t kScratchFloats = 64 << 10;  // 256 KB per thread
 constexpr int64_t kMaxBlocksPerStep = 16;
 
-// Rows [m0, m1) x blocks [b0, b1) of the product into out [M, N], one thread.
+// Rows [m0, m1) x blocks [b0, b1) of the product into out [M, N], one thread. Each call of
+// the kernel covers at most 256 rows and then up to 16 blocks, so that its fp32 sums fit the
+// scratch and a 16-row tile of x is reused across 16 blocks (the AMX kernel re-read it from
+// L2 every 4 blocks when 1024 rows shared the scratch); the weights are read once.
 template <typename scalar_t>
 void run_range(const QuantizedActivations& xq, int format, const uint8_t* packed, int64_t groups,
                int64_t N, int64_t m0, int64_t m1, int64_t b0, int64_t b1, scalar_t* out) {
-  const int64_t rows = m1 - m0;
-  const int64_t step = std::clamp<int64_t>(kScratchFloats / (rows * kQuantBlockRows), 1,
+  const int64_t chunk_rows =
+      std::min(m1 - m0, kScratchFloats / (kMaxBlocksPerStep * kQuantBlockRows));
+  const int64_t step = std::clamp<int64_t>(kScratchFloats / (chunk_rows * kQuantBlockRows), 1,
                                            kMaxBlocksPerStep);
   const int64_t ld = step * kQuantBlockRows;
-  std::vector<float> scratch(static_cast<size_t>(rows * ld));
-  const QuantRows x = xq.view(m0);
+  std::vector<float> scratch(static_cast<size_t>(chunk_rows * ld));
   for (int64_t s0 = b0; s0 < b1; s0 += step) {
     const int64_t s1 = std::min(b1, s0 + step);
-    quant_dot(format, x, rows, packed, groups, s0, s1, scratch.data(), ld);
     const int64_t n0 = s0 * kQuantBlockRows;
     const int64_t n1 = std::min(N, s1 * kQuantBlockRows);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* src = scratch.data() + r * ld - n0;
-      scalar_t* dst = out + (m0 + r) * N;
-      for (int64_t n = n0; n < n1; ++n) {
-        dst[n] = static_cast<scalar_t>(src[n]);
+    for (int64_t r0 = m0; r0 < m1; r0 += chunk_rows) {
+      const int64_t rows = std::min(chunk_rows, m1 - r0);
+      quant_dot(format, xq.view(r0), rows, packed, groups, s0, s1, scratch.data(), ld);
+      for (int64_t r = 0; r < rows; ++r) {
+        round_row(scratch.data() + r * ld, out + (r0 + r) * N + n0, n1 - n0);
       }
     }
   }
