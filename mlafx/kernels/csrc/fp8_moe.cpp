@@ -37,6 +37,7 @@
 #include "gemm_aten.h"
 #include "moe_routing.h"
 #include "parallel_chunks.h"
+#include "scratch_buffer.h"
 
 namespace mlafx {
 namespace {
@@ -153,7 +154,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
     tokens.push_back(routing.sorted_pairs[j] / pb.num_pairs_per_token);
   }
   const Fp8Activations xe = gather_rows(xa, tokens);
-  std::vector<float> gate_up(static_cast<size_t>(c * 2 * I));  // [c, 2I] fp32
+  ScratchVector<float> gate_up(static_cast<size_t>(c * 2 * I));  // [c, 2I] fp32
   fp8_product_f32(pb.gate(group.expert), xe.view(), c, I, gate_up.data(), 2 * I);
   fp8_product_f32(pb.up(group.expert), xe.view(), c, I, gate_up.data() + I, 2 * I);
   at::Tensor h = at::empty({c, I}, x.options());  // [c, I]
@@ -167,7 +168,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
     }
   });
   const Fp8Activations ha = fp8_activations(h);
-  std::vector<float> y(static_cast<size_t>(c * D));  // [c, D] fp32
+  ScratchVector<float> y(static_cast<size_t>(c * D));  // [c, D] fp32
   fp8_product_f32(pb.down(group.expert), ha.view(), c, D, y.data(), D);
   mlafx::parallel_chunks(0, D, 256, [&](int64_t d0, int64_t d1) {
     add_weighted_rows<scalar_t>(pb, routing, group, y.data() + d0, D, d0, d1);

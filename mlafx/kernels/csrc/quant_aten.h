@@ -5,27 +5,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
-#include <new>
 #include <vector>
 
 #include "quant.h"
+#include "scratch_buffer.h"
 
 namespace mlafx {
-
-// A std::vector allocator on 64-byte boundaries: quantized rows start on a cache line, so the
-// AMX kernel's 32-byte tile rows never straddle two.
-template <typename T>
-struct CacheLineAllocator {
-  using value_type = T;
-  CacheLineAllocator() = default;
-  template <typename U>
-  CacheLineAllocator(const CacheLineAllocator<U>&) {}  // NOLINT: rebinding is implicit
-  T* allocate(size_t n) {
-    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64}));
-  }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
-  bool operator==(const CacheLineAllocator&) const { return true; }
-};
 
 // Rows of x quantized per group of 32 (quant_format.quantize_activations), owning the
 // buffers that QuantRows points into: q [rows, ldq] (groups * 32 used), d and qsum
@@ -34,9 +19,9 @@ struct QuantizedActivations {
   int64_t rows = 0;
   int64_t groups = 0;
   int64_t ldq = 0;  // quant_row_stride(groups)
-  std::vector<int8_t, CacheLineAllocator<int8_t>> q;
-  std::vector<float> d;
-  std::vector<int32_t> qsum;
+  ScratchVector<int8_t> q;
+  ScratchVector<float> d;
+  ScratchVector<int32_t> qsum;
 
   // Rows [row0, rows) as the kernels' view.
   QuantRows view(int64_t row0 = 0) const;

@@ -208,7 +208,7 @@ void quant_product_f32(int format, const QuantRows& x, int64_t M, const uint8_t*
                                            1, 16);
   mlafx::parallel_chunks(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     const int64_t ld = step * kRows;
-    std::vector<float> scratch(static_cast<size_t>(M * ld));
+    ScratchVector<float> scratch(static_cast<size_t>(M * ld));
     for (int64_t s0 = b0; s0 < b1; s0 += step) {
       const int64_t s1 = std::min(b1, s0 + step);
       quant_dot(format, x, M, packed, groups, s0, s1, scratch.data(), ld);

@@ -29,6 +29,7 @@
 
 #include "amx_tiles.h"
 #include "quant.h"
+#include "scratch_buffer.h"
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_INT8__)
 #error "quant_dot_amx_avx512.cpp must be compiled with the AVX-512 and AMX flags from setup.py"
@@ -172,10 +173,9 @@ void quant_dot_amx(int bits, const QuantRows& x, int64_t M, const uint8_t* packe
     const int64_t S = quant_group_bytes(bits);
     // a chunk's groups as signed B tiles, 64-byte aligned (at most 16 x 32 KB for K 2048)
     const int64_t block_staging = groups * 512;
-    std::vector<int8_t> staging_buffer(static_cast<size_t>(
-        std::min(block_end - block_begin, kStageBlocks) * block_staging + 64));
-    int8_t* staging = reinterpret_cast<int8_t*>(
-        (reinterpret_cast<uintptr_t>(staging_buffer.data()) + 63) / 64 * 64);
+    ScratchVector<int8_t> staging_buffer(
+        static_cast<size_t>(std::min(block_end - block_begin, kStageBlocks) * block_staging));
+    int8_t* staging = staging_buffer.data();
     for (int64_t c0 = block_begin; c0 < block_end; c0 += kStageBlocks) {
       const int64_t c1 = std::min(block_end, c0 + kStageBlocks);
       for (int64_t b = c0; b < c1; ++b) {

@@ -32,6 +32,7 @@
 #include "gemm_aten.h"
 #include "quant_aten.h"
 #include "parallel_chunks.h"
+#include "scratch_buffer.h"
 
 namespace mlafx {
 namespace {
@@ -51,7 +52,7 @@ void run_range(const QuantizedActivations& xq, int format, const uint8_t* packed
   const int64_t step = std::clamp<int64_t>(kScratchFloats / (chunk_rows * kQuantBlockRows), 1,
                                            kMaxBlocksPerStep);
   const int64_t ld = step * kQuantBlockRows;
-  std::vector<float> scratch(static_cast<size_t>(chunk_rows * ld));
+  ScratchVector<float> scratch(static_cast<size_t>(chunk_rows * ld));
   for (int64_t s0 = b0; s0 < b1; s0 += step) {
     const int64_t s1 = std::min(b1, s0 + step);
     const int64_t n0 = s0 * kQuantBlockRows;

@@ -40,6 +40,7 @@
 #include "moe_routing.h"
 #include "quant_aten.h"
 #include "parallel_chunks.h"
+#include "scratch_buffer.h"
 
 namespace mlafx {
 namespace {
@@ -155,7 +156,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
     tokens.push_back(routing.sorted_pairs[j] / pb.num_pairs_per_token);
   }
   const QuantizedActivations xe = gather_rows(xq, tokens);
-  std::vector<float> gate_up(static_cast<size_t>(c * 2 * I));  // [c, 2I] fp32
+  ScratchVector<float> gate_up(static_cast<size_t>(c * 2 * I));  // [c, 2I] fp32
   quant_product_f32(pb.w13_format, xe.view(), c, pb.w13 + group.expert * pb.w13_expert,
                     blocks_of(2 * I), quant_groups_of(pb.w13_format, D), 2 * I, gate_up.data(),
                     2 * I);
@@ -170,7 +171,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
     }
   });
   const QuantizedActivations hq = quantize_activations(h);
-  std::vector<float> y(static_cast<size_t>(c * D));  // [c, D] fp32
+  ScratchVector<float> y(static_cast<size_t>(c * D));  // [c, D] fp32
   quant_product_f32(pb.w2_format, hq.view(), c, pb.w2 + group.expert * pb.w2_expert,
                     blocks_of(D), quant_groups_of(pb.w2_format, I), D, y.data(), D);
   mlafx::parallel_chunks(0, D, 256, [&](int64_t d0, int64_t d1) {
