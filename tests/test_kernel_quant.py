@@ -335,6 +335,10 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
     # 48 rows on one expert (the per-expert GEMM path): AMX-INT8 over a thread's 19 blocks of
     # w2's rows, more than one staged chunk
     moe_cases += [_moe_case(48, 600, 64, 1, 1, bits, gen) for bits in (8, 4)]
+    # the SwiGLU's edges (AVX-512 rows against the scalar loop): gates so large that
+    # exp(-g) overflows (silu -> -0) or underflows to 0, on both paths
+    big = _moe_case(40, 64 + 13, 21, 3, 2, 8, gen)
+    moe_cases.append((big[0] * 2000, *big[1:]))
     moe_cases += [kquant_moe_case(T, 256, 256, 3, 2, gen) for T in (3, 40)]
     # the weight quantizer (AVX2: 8 groups per vector), odd K and a zero-padded last block
     weight_cases = [

@@ -35,6 +35,7 @@
 
 #include "fp8_aten.h"
 #include "gemm_aten.h"
+#include "moe_activation.h"
 #include "moe_routing.h"
 #include "parallel_chunks.h"
 #include "scratch_buffer.h"
@@ -44,13 +45,6 @@ namespace {
 
 constexpr int64_t kMaxStreamingPairs = 16;
 
-template <typename scalar_t>
-scalar_t silu_times_up(float gate, float up) {
-  const float g = static_cast<float>(static_cast<scalar_t>(gate));
-  const float u = static_cast<float>(static_cast<scalar_t>(up));
-  const float s = static_cast<float>(static_cast<scalar_t>(g / (1.0f + std::exp(-g))));
-  return static_cast<scalar_t>(s * u);
-}
 
 struct Problem {
   int64_t num_pairs_per_token;  // k
@@ -122,10 +116,8 @@ void run_streaming(const Problem& pb, const Routing& routing, const Fp8Activatio
       fp8_dot(pb.gate(group.expert), rows, group.size(), i0, i1, gate.data(), ld);
       fp8_dot(pb.up(group.expert), rows, group.size(), i0, i1, up.data(), ld);
       for (int64_t j = 0; j < group.size(); ++j) {
-        scalar_t* dst = h_data + (row_of_group[g] + j) * I;
-        for (int64_t i = i0; i < i1; ++i) {
-          dst[i] = silu_times_up<scalar_t>(gate[j * ld + i - i0], up[j * ld + i - i0]);
-        }
+        silu_times_up_row(gate.data() + j * ld, up.data() + j * ld,
+                          h_data + (row_of_group[g] + j) * I + i0, i1 - i0);
       }
     }
   });
@@ -162,9 +154,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
   mlafx::parallel_chunks(0, c, 16, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       const float* row = gate_up.data() + j * 2 * I;
-      for (int64_t i = 0; i < I; ++i) {
-        h_data[j * I + i] = silu_times_up<scalar_t>(row[i], row[I + i]);
-      }
+      silu_times_up_row(row, row + I, h_data + j * I, I);
     }
   });
   const Fp8Activations ha = fp8_activations(h);

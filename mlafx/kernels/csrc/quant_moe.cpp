@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "gemm_aten.h"
+#include "moe_activation.h"
 #include "moe_routing.h"
 #include "quant_aten.h"
 #include "parallel_chunks.h"
@@ -51,13 +52,6 @@ namespace {
 constexpr int64_t kMaxStreamingPairs = 16;
 constexpr int64_t kRows = kQuantBlockRows;
 
-template <typename scalar_t>
-scalar_t silu_times_up(float gate, float up) {
-  const float g = static_cast<float>(static_cast<scalar_t>(gate));
-  const float u = static_cast<float>(static_cast<scalar_t>(up));
-  const float s = static_cast<float>(static_cast<scalar_t>(g / (1.0f + std::exp(-g))));
-  return static_cast<scalar_t>(s * u);
-}
 
 struct Problem {
   int w13_format;  // quant.h; the two stacks may differ (a GGUF's Q4_K gate/up, Q6_K down)
@@ -122,11 +116,8 @@ void run_streaming(const Problem& pb, const Routing& routing, const QuantizedAct
       quant_dot(pb.w13_format, rows, group.size(), w, gd, ib0, ib1, gate.data(), ld_g);
       quant_dot(pb.w13_format, rows, group.size(), w, gd, ub0, ub1, up.data(), ld_u);
       for (int64_t j = 0; j < group.size(); ++j) {
-        scalar_t* dst = h_data + (row_of_group[g] + j) * I;
-        for (int64_t i = i0; i < i1; ++i) {
-          dst[i] = silu_times_up<scalar_t>(gate[j * ld_g + i - i0],
-                                           up[j * ld_u + I + i - ub0 * kRows]);
-        }
+        silu_times_up_row(gate.data() + j * ld_g, up.data() + j * ld_u + I + i0 - ub0 * kRows,
+                          h_data + (row_of_group[g] + j) * I + i0, i1 - i0);
       }
     }
   });
@@ -165,9 +156,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
   mlafx::parallel_chunks(0, c, 16, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       const float* row = gate_up.data() + j * 2 * I;
-      for (int64_t i = 0; i < I; ++i) {
-        h_data[j * I + i] = silu_times_up<scalar_t>(row[i], row[I + i]);
-      }
+      silu_times_up_row(row, row + I, h_data + j * I, I);
     }
   });
   const QuantizedActivations hq = quantize_activations(h);
