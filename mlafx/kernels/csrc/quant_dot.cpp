@@ -203,9 +203,10 @@ void quant_product_f32(int format, const QuantRows& x, int64_t M, const uint8_t*
                        int64_t blocks, int64_t groups, int64_t N, float* out, int64_t ldo) {
   const int64_t block_bytes = std::max<int64_t>(groups, 1) * quant_group_bytes(format);
   const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / block_bytes);
-  // Steps of blocks whose fp32 scratch ([M, 16 * step]) stays within ~256 KB.
+  // Steps of blocks whose fp32 scratch ([M, 16 * step]) stays within ~256 KB, up to 32 (two
+  // of the AMX kernel's chunks: it prefetches the second while it works on the first).
   const int64_t step = std::clamp<int64_t>((int64_t{64} << 10) / (std::max<int64_t>(M, 1) * kRows),
-                                           1, 16);
+                                           1, 32);
   mlafx::parallel_chunks(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     const int64_t ld = step * kRows;
     ScratchVector<float> scratch(static_cast<size_t>(M * ld));

@@ -181,12 +181,24 @@ void quant_dot_amx(int bits, const QuantRows& x, int64_t M, const uint8_t* packe
       for (int64_t b = c0; b < c1; ++b) {
         stage_block(bits, packed + b * groups * S, groups, staging + (b - c0) * block_staging);
       }
+      // the next chunk's packed bytes are prefetched into L2 a slice per row tile and block,
+      // so that staging it does not wait for memory
+      const char* next = reinterpret_cast<const char*>(packed + c1 * groups * S);
+      const int64_t next_lines =
+          (std::min(block_end, c1 + kStageBlocks) - c1) * groups * S / 64;
+      const int64_t lines_per_step = (next_lines + (full / kTileRows) * (c1 - c0) - 1) /
+                                     ((full / kTileRows) * (c1 - c0));
+      int64_t prefetched = 0;
       // each row tile of x (16 x K bytes) stays in cache across the chunk's blocks
       for (int64_t m0 = 0; m0 < full; m0 += kTileRows) {
         for (int64_t b = c0; b < c1; ++b) {
           row_tile(x, m0, staging + (b - c0) * block_staging,
                    packed + b * groups * S + quant_bytes(bits), S, groups,
                    out + m0 * ldo + (b - block_begin) * kQuantBlockRows, ldo);
+          for (const int64_t end = std::min(next_lines, prefetched + lines_per_step);
+               prefetched < end; ++prefetched) {
+            _mm_prefetch(next + prefetched * 64, _MM_HINT_T1);
+          }
         }
       }
     }

@@ -38,12 +38,13 @@ namespace mlafx {
 namespace {
 
 constexpr int64_t kScratchFloats = 64 << 10;  // 256 KB per thread
-constexpr int64_t kMaxBlocksPerStep = 16;
+constexpr int64_t kMaxBlocksPerStep = 32;
 
 // Rows [m0, m1) x blocks [b0, b1) of the product into out [M, N], one thread. Each call of
-// the kernel covers at most 256 rows and then up to 16 blocks, so that its fp32 sums fit the
-// scratch and a 16-row tile of x is reused across 16 blocks (the AMX kernel re-read it from
-// L2 every 4 blocks when 1024 rows shared the scratch); the weights are read once.
+// the kernel covers at most 128 rows and then up to 32 blocks, so that its fp32 sums fit the
+// scratch, a 16-row tile of x is reused across 16 blocks (the AMX kernel re-read it from L2
+// every 4 blocks when 1024 rows shared the scratch) and the AMX kernel prefetches a second
+// chunk of 16 blocks while it works on the first; the weights are read once.
 template <typename scalar_t>
 void run_range(const QuantizedActivations& xq, int format, const uint8_t* packed, int64_t groups,
                int64_t N, int64_t m0, int64_t m1, int64_t b0, int64_t b1, scalar_t* out) {
