@@ -16,11 +16,12 @@
 // Where the time goes (Xeon, 6 Dec 2026, one core, a standalone copy of this loop, cycles per
 // 16 x 16 x 32 product): tile loads, product and store ~51, the epilogue alone ~39, and the
 // two do not overlap (~86-90 together: the tile unit's instructions and the vector ones share
-// the ports), so at 1024 rows 2048 -> 3072 takes ~15 ms against VNNI's ~27 and bf16 AMX's
-// ~9. Accumulators in registers matter: as an array indexed in a loop GCC kept them on the
-// stack (a load and a store per row and group, ~55 cycles for the epilogue alone), hence the
-// unrolled loops. Sharing each tile load between two products (2 row tiles x 2 blocks) is
-// the next step; quant_dot.cpp's amx_min_rows says where this kernel is taken.
+// the ports), so at 1024 rows 2048 -> 3072 takes ~13 ms (2 threads, the next chunk's weights
+// prefetched into L2 meanwhile) against VNNI's ~27 and bf16 AMX's ~8. Accumulators in
+// registers matter: as an array indexed in a loop GCC kept them on the stack (a load and a
+// store per row and group, ~55 cycles for the epilogue alone), hence the unrolled loops.
+// Sharing each tile load between two products (2 row tiles x 2 blocks) is the next step;
+// quant_dot.cpp's amx_min_rows says where this kernel is taken.
 #include <immintrin.h>
 
 #include <algorithm>
