@@ -1,7 +1,8 @@
 """mlafx::batched_matmul against float64 bmm: the few-row streaming kernel that decode's
 absorbed products take on AVX-512 BF16 CPUs (batched_matmul_avx512.cpp, up to 4 rows per head
-of bf16 / fp16) and ATen's bmm above it, on the default path here and the portable one in a
-child process.
+of bf16 / fp16), the tile kernel on AMX CPUs (batched_matmul_amx_avx512.cpp, bf16 at 5-16
+rows) and ATen's bmm above them, on the default path here and, each in a child process, the
+portable one and AVX-512 without AMX.
 
 Bound: the fp32 sums err by at most ``sum |x| |w| * K * 2^-24`` (far below a wrong element,
 which is off by whole percents) and the one rounding to x's dtype by half an ulp (2^-8 bf16,
@@ -42,8 +43,8 @@ def _assert_within_bound(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) ->
 @settings(max_examples=60, deadline=None)
 @given(
     heads=st.integers(1, 5),
-    m=st.integers(0, 6),
-    k=st.sampled_from([1, 7, 16, 33, 128, 130]),
+    m=st.integers(0, 18),
+    k=st.sampled_from([1, 7, 16, 33, 64, 128, 130]),
     n=st.sampled_from([1, 15, 16, 17, 64, 65, 100, 200]),
     dtype=st.sampled_from([torch.bfloat16, torch.float16]),
     strided=st.booleans(),
@@ -61,26 +62,34 @@ def test_matches_fp64_bmm(heads, m, k, n, dtype, strided, seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_shapes_and_row_independence(dtype):
-    """V2-Lite's W_UK and W_UV^T products at 1-4 and 5 rows (the switch to ATen); where the
-    streaming kernel runs, each row alone equals its row in the call, bitwise, below the
-    switch (ATen's bmm promises no such thing)."""
+    """V2-Lite's W_UK and W_UV^T products at 1-4 rows (streaming), 5-16 (tiles on AMX) and 17
+    (ATen). Where one of our kernels runs, a row's result does not depend on the call's other
+    rows, bitwise: each row alone (streaming), or the first 5 rows of the call (tiles) (ATen's
+    bmm promises no such thing)."""
     streams = cpu_isa() in ("avx512_amx", "avx512_bf16")
+    tiles = cpu_isa() == "avx512_amx" and dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(1)
     for k, n in ((128, 512), (512, 128)):
         w = (torch.randn(16, k, n, generator=gen) / k**0.5).to(dtype)
-        for m in (1, 2, 3, 4, 5):
+        for m in (1, 2, 3, 4, 5, 8, 16, 17):
             x = torch.randn(m, 16, k, generator=gen).to(dtype).transpose(0, 1)
             out = batched_matmul(x, w)
             _assert_within_bound(out, x, w)
             if streams and m <= 4:
                 for r in range(m):
                     assert torch.equal(out[:, r : r + 1], batched_matmul(x[:, r : r + 1], w))
+            if tiles and 5 < m <= 16:
+                assert torch.equal(out[:, :5], batched_matmul(x[:, :5], w))
 
 
-def test_portable_path_in_a_child():
+@pytest.mark.parametrize("disable", ["MLAFX_DISABLE_AVX512", "MLAFX_DISABLE_AMX"])
+def test_other_paths_in_a_child(disable):
+    """The portable path, and AVX-512 without tiles (the streaming kernel and ATen only)."""
     if os.environ.get("MLAFX_BMM_CHILD"):
         pytest.skip("inside the child run")
-    env = {**os.environ, "MLAFX_DISABLE_AVX512": "1", "MLAFX_BMM_CHILD": "1"}
+    if disable == "MLAFX_DISABLE_AMX" and cpu_isa() != "avx512_amx":
+        pytest.skip("no AMX here: the default run is that path")
+    env = {**os.environ, disable: "1", "MLAFX_BMM_CHILD": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,

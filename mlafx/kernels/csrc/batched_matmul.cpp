@@ -4,7 +4,9 @@
 //     out[b] = x[b] @ w[b]: ATen's bmm (in fp32 on widened copies, rounded once, for bf16/fp16
 //     on CPUs without AVX-512 BF16, where ATen's 16-bit bmm is emulated). bf16/fp16 with at
 //     most kBatchedMatmulStreamRows rows per head (decode) on AVX-512 BF16 CPUs: the streaming
-//     kernel of batched_matmul_avx512.cpp (fp32 sums, one rounding), up to 1.8x ATen's there.
+//     kernel of batched_matmul_avx512.cpp (fp32 sums, one rounding), up to 1.8x ATen's there;
+//     bf16 with kBatchedMatmulAmxMinRows..16 rows on AMX-BF16 CPUs: the tile kernel of
+//     batched_matmul_amx_avx512.cpp (the same sums and rounding).
 //
 // In batch-invariant mode (batch_invariant.h) the rows go through ATen's bmm as fixed
 // [B, kTileRows, K] tiles, the last one zero-padded: the library picks its kernel by the
@@ -26,14 +28,25 @@
 #include "batched_matmul.h"
 #include "cpu_features.h"
 #include "parallel_chunks.h"
+#include "scratch_buffer.h"
 
 namespace mlafx {
 namespace {
 
 constexpr int64_t kTileRows = 16;
 
-// The few-row kernel (batched_matmul.h) on 16-bit x and w.
-at::Tensor stream_rows(const at::Tensor& x, const at::Tensor& w) {
+BmmArgs bmm_args(const at::Tensor& x, const at::Tensor& wc, at::Tensor& out) {
+  const auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); };
+  return BmmArgs{x.scalar_type() == at::kHalf ? BmmElem::kFp16 : BmmElem::kBf16,
+                 bits(x), x.stride(0), x.stride(1), x.stride(2),
+                 bits(wc), wc.stride(0), wc.stride(1),
+                 static_cast<uint16_t*>(out.data_ptr()), x.size(0), x.size(1), x.size(2),
+                 wc.size(2)};
+}
+
+// The few-row kernels (batched_matmul.h) on 16-bit x and w: the AMX one when `amx`, else the
+// streaming one.
+at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, bool amx) {
   const at::Tensor wc = w.stride(2) == 1 ? w : w.contiguous();
   const int64_t B = x.size(0), M = x.size(1), K = x.size(2), N = w.size(2);
   at::Tensor out = at::empty({B, M, N}, x.options());
@@ -43,11 +56,15 @@ at::Tensor stream_rows(const at::Tensor& x, const at::Tensor& w) {
   if (K == 0) {
     return out.zero_();
   }
-  const auto bits = [](const at::Tensor& t) { return static_cast<const uint16_t*>(t.data_ptr()); };
-  const BmmArgs args{x.scalar_type() == at::kHalf ? BmmElem::kFp16 : BmmElem::kBf16,
-                     bits(x), x.stride(0), x.stride(1), x.stride(2),
-                     bits(wc), wc.stride(0), wc.stride(1),
-                     static_cast<uint16_t*>(out.data_ptr()), B, M, K, N};
+  const BmmArgs args = bmm_args(x, wc, out);
+  if (amx) {
+    parallel_chunks(0, B, 1, [&](int64_t begin, int64_t end) {
+      ScratchVector<uint16_t> scratch(
+          static_cast<size_t>(avx512::batched_matmul_amx_scratch(args)));
+      avx512::batched_matmul_heads_amx(args, begin, end, scratch.data());
+    });
+    return out;
+  }
   parallel_chunks(0, B * batched_matmul_col_items(N), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(static_cast<size_t>(M * K));
     avx512::batched_matmul_items(args, begin, end, xf.data());
@@ -70,9 +87,15 @@ at::Tensor batched_matmul(const at::Tensor& x,  // [B, M, K]
   // copies (exact) and round the fp32 product once, as the native GEMM rounds its sums.
   const bool widen = x.scalar_type() != at::kFloat && !use_avx512_bf16();
   const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
-  if (!batch_invariant() && !widen && half &&
-      x.size(1) <= kBatchedMatmulStreamRows) {
-    return stream_rows(x, w);
+  if (!batch_invariant() && !widen && half) {
+    const int64_t M = x.size(1);
+    if (x.scalar_type() == at::kBFloat16 && M >= kBatchedMatmulAmxMinRows &&
+        M <= kBatchedMatmulAmxMaxRows && use_amx_bf16()) {
+      return few_rows(x, w, /*amx=*/true);
+    }
+    if (M <= kBatchedMatmulStreamRows) {
+      return few_rows(x, w, /*amx=*/false);
+    }
   }
   const at::Tensor w_mm = widen ? w.to(at::kFloat) : w;
   if (!batch_invariant()) {

@@ -1,20 +1,23 @@
-// The few-row batched_matmul kernel (batched_matmul_avx512.cpp), called by batched_matmul.cpp
-// after use_avx512_bf16(): decode's absorbed products, where ATen's bmm of one or a few rows
-// per head reads its weights at 40-55% of the read bandwidth (batched_matmul_avx512.cpp).
+// The few-row batched_matmul kernels, called by batched_matmul.cpp: the streaming one
+// (batched_matmul_avx512.cpp, after use_avx512_bf16()) and the tile one
+// (batched_matmul_amx_avx512.cpp, after use_amx_bf16()). Decode's absorbed products, where
+// ATen's bmm of one or a few rows per head reads its weights at 40-55% of the read bandwidth.
 #pragma once
 
 #include <cstdint>
 
 namespace mlafx {
 
-// Rows per head the streaming kernel takes; above, ATen's bmm (prefill).
+// Rows per head the streaming kernel takes; above, the AMX kernel (bf16 up to
+// kBatchedMatmulAmxMaxRows, AMX CPUs) or ATen's bmm.
 constexpr int64_t kBatchedMatmulStreamRows = 4;
 
 enum class BmmElem { kBf16, kFp16 };
 
-// out[b, m, :] = x[b, m, :] @ w[b] for b < B, m < M (M <= kBatchedMatmulStreamRows), in fp32
-// with one rounding to the element type. x: element strides (xs_b, xs_m, xs_k); w: [B, K, N]
-// with rows of N contiguous elements, ws_b / ws_k apart; out: contiguous [B, M, N].
+// out[b, m, :] = x[b, m, :] @ w[b] for b < B, m < M (M <= kBatchedMatmulStreamRows for the
+// streaming kernel, kBatchedMatmulAmxMaxRows for the tile one), in fp32 with one rounding to
+// the element type. x: element strides (xs_b, xs_m, xs_k); w: [B, K, N] with rows of N
+// contiguous elements, ws_b / ws_k apart; out: contiguous [B, M, N].
 struct BmmArgs {
   BmmElem elem;
   const uint16_t* x;
@@ -32,10 +35,19 @@ inline int64_t batched_matmul_col_items(int64_t N) {
   return (N + kBatchedMatmulCols - 1) / kBatchedMatmulCols;
 }
 
+// The AMX kernel (batched_matmul_amx_avx512.cpp): bf16, kBatchedMatmulAmxMinRows to
+// kBatchedMatmulAmxMaxRows rows per head, when use_amx_bf16(). Its items are heads.
+constexpr int64_t kBatchedMatmulAmxMinRows = 5;
+constexpr int64_t kBatchedMatmulAmxMaxRows = 16;
+
 namespace avx512 {
 // Items [begin, end) of `a` (the caller shares items out between threads); xf: M * K floats
 // of scratch (x's rows of one head, widened).
 void batched_matmul_items(const BmmArgs& a, int64_t begin, int64_t end, float* xf);
+// The AMX kernel on heads [begin, end) of `a` (bf16); scratch: batched_matmul_amx_scratch(a)
+// uint16 elements per thread.
+int64_t batched_matmul_amx_scratch(const BmmArgs& a);
+void batched_matmul_heads_amx(const BmmArgs& a, int64_t begin, int64_t end, uint16_t* scratch);
 }  // namespace avx512
 
 }  // namespace mlafx
