@@ -203,6 +203,7 @@ void quant_dot_amx(int bits, const QuantRows& x, int64_t M, const uint8_t* packe
         }
       }
     }
+    _tile_release();  // as gemm_amx_avx512.cpp: no tile state left to save on a switch
   }
   if (full < M) {  // the last rows on the VNNI kernel (bit-identical)
     const QuantRows rest{x.q + full * x.ldq, x.ldq, x.d + full * x.ldd, x.qsum + full * x.ldd,
