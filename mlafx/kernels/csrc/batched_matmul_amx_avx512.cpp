@@ -27,6 +27,7 @@
 
 #include "amx_tiles.h"
 #include "batched_matmul.h"
+#include "bf16_avx512.h"
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
 #error "batched_matmul_amx_avx512.cpp must be compiled with the AVX-512 and AMX flags from setup.py"
@@ -65,8 +66,7 @@ void stage_chunk(const BmmArgs& a, const uint16_t* w, int64_t k0, int64_t n_pad,
     const uint16_t* r0 = w + (k0 + 2 * p) * a.ws_k;
     const bool has0 = 2 * p < rows, has1 = 2 * p + 1 < rows;
     for (int64_t n0 = 0; n0 < n_pad; n0 += kCols) {
-      const int64_t cols = std::clamp<int64_t>(a.N - n0, 0, kCols);
-      const __mmask32 col_mask = static_cast<__mmask32>((uint64_t{1} << cols) - 1);
+      const __mmask32 col_mask = first_lanes32(std::max<int64_t>(a.N - n0, 0));
       const __m512i even = _mm512_maskz_loadu_epi16(has0 ? col_mask : 0, r0 + n0);
       const __m512i odd = _mm512_maskz_loadu_epi16(has1 ? col_mask : 0, r0 + a.ws_k + n0);
       // the next chunk's same two rows (past the end of w is harmless: prefetches do not fault)
@@ -88,8 +88,7 @@ void stage_rows(const BmmArgs& a, int64_t b, int64_t k_pad, uint16_t* xs) {
     uint16_t* dst = xs + m * k_pad;
     if (a.xs_k == 1) {
       for (int64_t k = 0; k < k_pad; k += 32) {
-        const int64_t left = std::clamp<int64_t>(a.K - k, 0, 32);
-        const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << left) - 1);
+        const __mmask32 mask = first_lanes32(std::max<int64_t>(a.K - k, 0));
         _mm512_store_si512(dst + k, _mm512_maskz_loadu_epi16(mask, row + k));
       }
     } else {
@@ -130,8 +129,7 @@ void run_head(const BmmArgs& a, int64_t b, const uint16_t* xs, int64_t k_pad, in
   uint16_t* out = a.out + b * a.M * a.N;
   for (int64_t m = 0; m < a.M; ++m) {
     for (int64_t n0 = 0; n0 < a.N; n0 += kCols) {
-      const int64_t cols = std::min<int64_t>(kCols, a.N - n0);
-      const __mmask32 col_mask = static_cast<__mmask32>((uint64_t{1} << cols) - 1);
+      const __mmask32 col_mask = first_lanes32(a.N - n0);
       const float* row = sums + m * n_pad + n0;
       const __m512i rounded = _mm512_inserti64x4(
           _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row))),

@@ -4,11 +4,19 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 #if !defined(__AVX512BF16__)
 #error "bf16_avx512.h is for sources compiled with the AVX-512 flags from setup.py"
 #endif
 
 namespace mlafx::avx512 {
+
+// The first min(n, 32) of a vector's 32 16-bit lanes (n >= 0): masked loads and stores of
+// rows' last, partial 32 bf16 / fp16 elements.
+inline __mmask32 first_lanes32(int64_t n) {
+  return n >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint32_t{1} << n) - 1u);
+}
 
 // 16 floats -> 16 bf16 (as 16-bit ints). VCVTNEPS2BF16 rounds to nearest even and quiets
 // NaNs keeping sign and top payload bits, but it flushes fp32 subnormals to +-0 (DAZ), which

@@ -17,15 +17,12 @@
 #include <cstdint>
 #include <cstdlib>
 
+#include "bf16_avx512.h"
 #include "cpu_features.h"
 #include "fp8.h"
 
 namespace mlafx::avx512 {
 namespace {
-
-inline __mmask32 tail_mask(int64_t remaining) {
-  return remaining >= 32 ? ~__mmask32{0} : (__mmask32{1} << remaining) - 1;
-}
 
 // 32 e4m3 bytes -> 32 bf16 (16-bit lanes).
 inline __m512i e4m3_to_bf16(__m256i bytes) {
@@ -82,7 +79,7 @@ void tile_bf16(const Fp8Weight& W, const WeightRows<NR, kConverted>& rows, const
       for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
     }
     for (int64_t k = k0; k < k1; k += 32) {
-      const __mmask32 mask = tail_mask(k1 - k);
+      const __mmask32 mask = first_lanes32(k1 - k);
       __m512i wv[NR];
       for (int r = 0; r < NR; ++r) wv[r] = rows.load(r, k, mask);
       for (int m = 0; m < MR; ++m) {
@@ -117,7 +114,7 @@ void tile_f32(const Fp8Weight& W, const WeightRows<NR, false>& rows, const float
       for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
     }
     for (int64_t k = k0; k < k1; k += 32) {
-      const __mmask32 mask = tail_mask(k1 - k);
+      const __mmask32 mask = first_lanes32(k1 - k);
       __m512 lo[NR], hi[NR];
       for (int r = 0; r < NR; ++r) {
         const __m512i v = rows.load(r, k, mask);
@@ -295,8 +292,8 @@ MLAFX_VBMI AlignedBuffer permuted_rows(const uint16_t* x, int64_t ldx, int64_t M
   const __m512i idx_a = _mm512_load_si512(ia), idx_b = _mm512_load_si512(ib);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < ld; k += 64) {
-      const __mmask32 m0 = k < K ? tail_mask(K - k) : 0;
-      const __mmask32 m1 = k + 32 < K ? tail_mask(K - k - 32) : 0;
+      const __mmask32 m0 = k < K ? first_lanes32(K - k) : 0;
+      const __mmask32 m1 = k + 32 < K ? first_lanes32(K - k - 32) : 0;
       const __m512i x0 = _mm512_maskz_loadu_epi16(m0, x + m * ldx + k);
       const __m512i x1 = _mm512_maskz_loadu_epi16(m1, x + m * ldx + k + 32);
       _mm512_store_si512(out.data() + m * ld + k, _mm512_permutex2var_epi16(x0, idx_a, x1));
@@ -405,7 +402,7 @@ void fp8_dot_bf16(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, i
       const uint8_t* src = W.w + n * W.ldw;
       uint16_t* dst = converted.data() + (n - t0) * kpad;
       for (int64_t k = 0; k < W.K; k += 32) {
-        const __mmask32 mask = tail_mask(W.K - k);
+        const __mmask32 mask = first_lanes32(W.K - k);
         _mm512_mask_storeu_epi16(dst + k, mask, e4m3_to_bf16(_mm256_maskz_loadu_epi8(mask, src + k)));
       }
     }
@@ -431,7 +428,7 @@ void fp8_dequantize(const Fp8Weight& W, int64_t n0, int64_t n1, float* out) {
       const int64_t k1 = std::min(W.K, k0 + W.block_k);
       const __m512 s = _mm512_set1_ps(scale[kb]);
       for (int64_t k = k0; k < k1; k += 32) {
-        const __mmask32 mask = tail_mask(k1 - k);
+        const __mmask32 mask = first_lanes32(k1 - k);
         const __m512i v = e4m3_to_bf16(_mm256_maskz_loadu_epi8(mask, row + k));
         _mm512_mask_storeu_ps(dst + k, static_cast<__mmask16>(mask),
                               _mm512_mul_ps(bf16_low_to_f32(v), s));

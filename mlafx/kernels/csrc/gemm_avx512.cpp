@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "attention_avx512_math.h"  // load_pair
+#include "bf16_avx512.h"
 #include "gemm.h"
 
 #if !defined(__AVX512BF16__)
@@ -29,10 +30,6 @@ namespace {
 constexpr int kMaxTileRows = 8;  // rows of x per tile (MR)
 constexpr int kMaxRowsTileWeights = 8;
 constexpr int kMaxPackedTileBlocks = 4;
-
-inline __mmask32 first_lanes16(int64_t n) {
-  return static_cast<__mmask32>((uint64_t{1} << n) - 1u);  // n < 32
-}
 
 // Weight rows are streamed a few at a time, each one 2..6 KB: the hardware prefetchers stop at
 // every 4 KB page and restart late, so a tile asks for the same columns of the next group
@@ -91,7 +88,7 @@ void rows_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, i
     step(k, ~__mmask32{0});
   }
   if (k < K) {
-    step(k, first_lanes16(K - k));
+    step(k, first_lanes32(K - k));
   }
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
