@@ -89,6 +89,25 @@ def test_linear_matches_reference(m, n, k, block, dtype, layout, bias, seed):
     _assert_within_bound(linear_fp8(x, w, s, block, b), x, w, s, block, b)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.sampled_from([2, 3, 15, 16, 17, 255, 256, 257, 300]),
+    n=st.sampled_from([1, 15, 16, 17, 40]),
+    k=st.sampled_from([64, 130, 200, 448]),
+    block=st.sampled_from([(128, 128), (3, 64), (48, 192), (16, 64)]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tile_path_edges(m, n, k, block, seed):
+    """bf16 rows from 2 on with block_k a multiple of 64: on AMX the tile kernel
+    (fp8_dot_amx_avx512.cpp). Partial 16-row tiles of weight and of x, rows of x past one
+    256-row pass, K past a 64-column chunk, scales changing inside a 16-row tile (block_n 3)
+    and panels of one and of two blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    w, s = _weight(n, k, gen), _scale(n, k, block, gen)
+    x = _rows(m, k, torch.bfloat16, gen, "strided")
+    _assert_within_bound(linear_fp8(x, w, s, block), x, w, s, block)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("m", [1, 8, 32, 33, 1024])
 def test_rows_and_partial_blocks(m, dtype):
@@ -273,8 +292,9 @@ def _run_probe(tmp_path, name, **env_vars):
 
 
 def test_every_isa_path_within_the_bound(tmp_path):
-    """The best path this CPU has (no variables; VBMI byte-table decoding where the CPU has
-    it), the AVX-512 one without AMX, the arithmetic decoding (MLAFX_DISABLE_VBMI=1), the one
+    """The best path this CPU has (no variables; AMX tiles and the VBMI byte-table decoding
+    where the CPU has them), the AVX-512 one without AMX (VBMI, and the fp32 GEMM from 64
+    rows), the arithmetic decoding (MLAFX_DISABLE_VBMI=1), the one
     below AVX2 (MLAFX_DISABLE_AVX2=1: AVX-512 where the CPU has it, else portable) and the
     portable one (MLAFX_DISABLE_AVX512=1) on the same cases: rows 1/8/32/33/1024, every
     dtype, partial blocks, strided rows, both expert paths."""
@@ -296,8 +316,9 @@ def test_every_isa_path_within_the_bound(tmp_path):
     }
     assert runs["portable"][0] == "portable"
     if cpu_isa() in ("avx512_bf16", "avx512_amx"):  # its paths, whatever AVX2 says
-        assert runs["best"][0] in ("avx512_vbmi", "avx512_bf16")
-        assert runs["no_amx"][0] == runs["no_avx2"][0] == runs["best"][0]
+        assert runs["best"][0] in ("avx512_amx", "avx512_vbmi", "avx512_bf16")
+        assert runs["no_avx2"][0] == runs["best"][0]
+        assert runs["no_amx"][0] == runs["best"][0].replace("avx512_amx", "avx512_vbmi")
         assert runs["no_vbmi"][0] == "avx512_bf16"
     elif {"avx2", "fma", "f16c"} <= _cpu_flags():
         assert runs["best"][0] == "avx2" and runs["no_avx2"][0] == "portable"

@@ -108,11 +108,14 @@ def moe_experts_fp8(
 
 
 def fp8_cpu_isa() -> str:
-    """``"avx512_vbmi"``, ``"avx512_bf16"``, ``"avx2"`` or ``"portable"``: the kernel the block
-    FP8 ops take in this process below ``kFp8GemmRows`` rows of x (``MLAFX_DISABLE_VBMI=1``:
-    the AVX-512 arithmetic decoding; ``MLAFX_DISABLE_AVX512=1``: portable;
-    ``MLAFX_DISABLE_AVX2=1``: the AVX2 tier off alone). The paths differ only in fp32
-    summation order."""
+    """``"avx512_amx"``, ``"avx512_vbmi"``, ``"avx512_bf16"``, ``"avx2"`` or ``"portable"``:
+    the kernels the block FP8 ops take in this process. ``avx512_amx``: bf16 rows of x from 4
+    on go to AMX-BF16 tiles (every row count; a block_k that is not a multiple of 64 takes the
+    ``avx512_vbmi`` kernels), fewer rows to the VBMI byte-table decoding.
+    ``MLAFX_DISABLE_AMX=1``: ``avx512_vbmi``, which dequantizes to fp32 for ``at::mm`` from 64
+    rows; ``MLAFX_DISABLE_VBMI=1``: the AVX-512 arithmetic decoding;
+    ``MLAFX_DISABLE_AVX512=1``: portable; ``MLAFX_DISABLE_AVX2=1``: the AVX2 tier off alone.
+    The paths differ only in fp32 summation order."""
     return torch.ops.mlafx.fp8_cpu_isa()
 
 

@@ -31,11 +31,13 @@ struct Fp8Weight {
 };
 
 // M rows of activations: bf16 bits when bf16 != nullptr (only made when use_avx512_bf16()),
-// else fp32 in f32. Row stride ld; K columns.
+// else fp32 in f32. Row stride ld; K columns. `tiles`, when not null, holds the same bf16 rows
+// staged by avx512::fp8_stage_tiles for the AMX kernel (made only when fp8_uses_tiles()).
 struct Fp8Rows {
   const uint16_t* bf16;
   const float* f32;
   int64_t ld;
+  const uint16_t* tiles = nullptr;
 };
 
 // out[m * ldo + n - n0] = sum_kb scale[n / block_n, kb] * sum_{k in kb} x[m, k] * e4m3(W[n, k])
@@ -65,6 +67,22 @@ void fp8_dot_bf16(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, i
 void fp8_dot_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
                  float* out, int64_t ldo);
 void fp8_dequantize(const Fp8Weight& w, int64_t n0, int64_t n1, float* out);
+
+// The AMX-BF16 kernel (fp8_dot_amx_avx512.cpp): fp8_dot's contract for bf16 rows staged in
+// x.tiles and block_k % 64 == 0; call only when use_amx_bf16() and use_avx512_vbmi().
+void fp8_dot_amx(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
+                 float* out, int64_t ldo);
+
+// bf16 elements of the staged tiles of M rows of K columns: for each 16 rows of x (zeros past
+// M) and each 32 columns of K rounded up to 64 (in the VBMI decoder's column order, zeros past
+// K), one B tile of 16 column pairs x 16 rows.
+int64_t fp8_tile_elements(int64_t M, int64_t K);
+
+// Stages rows [m0, m1) of x (bf16 bits, row stride ldx) into `tiles` (fp8_tile_elements(M, K)
+// elements, 64-byte aligned); m0 a multiple of 16, m1 = M or a multiple of 16. Threads may
+// stage disjoint ranges. Call only when use_avx512_bf16().
+void fp8_stage_tiles(const uint16_t* x, int64_t ldx, int64_t K, int64_t m0, int64_t m1,
+                     uint16_t* tiles);
 
 }  // namespace mlafx::avx512
 

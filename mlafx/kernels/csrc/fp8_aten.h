@@ -21,9 +21,26 @@ struct Fp8Activations {
   int64_t ld = 0;
   bool is_bf16 = false;
   at::Tensor data;  // [rows, ld] bfloat16 or float32
+  at::Tensor tiles;  // the rows staged for the AMX kernel (stage_tiles), or undefined
 
+  // Rows from row0 on; only row0 = 0 carries the staged tiles.
   Fp8Rows view(int64_t row0 = 0) const;
+  // Stages the rows for the AMX kernel when fp8_uses_tiles(rows) and they are bf16.
+  void stage_tiles();
 };
+
+// Whether M bf16 rows of x take the AMX tile kernel (fp8_dot_amx_avx512.cpp): the CPU has
+// AMX-BF16 and VBMI (and MLAFX_DISABLE_* leaves them on) and M >= kFp8TileMinRows. From 4:
+// at 2-3 rows a dense linear gained ~10% on tiles, but 8 tokens' experts (groups of 1-3
+// rows, each staged apart) lost as much (Xeon, 6 Dec 2026).
+constexpr int64_t kFp8TileMinRows = 4;
+bool fp8_uses_tiles(int64_t M);
+
+// M bf16 rows at x staged for the AMX kernel (int16 [fp8_tile_elements(M, K)] holding bf16
+// bits), staged in parallel; undefined unless fp8_uses_tiles(M) and x.bf16 is set.
+at::Tensor stage_tiles(const Fp8Rows& x, int64_t M, int64_t K);
+// Uninitialised storage for M staged rows of K columns, 64-byte aligned.
+at::Tensor empty_tiles(int64_t M, int64_t K);
 
 // x [M, K] bf16/fp16/fp32, last dim contiguous (rows may be strided).
 Fp8Activations fp8_activations(const at::Tensor& x);
@@ -43,18 +60,19 @@ void check_fp8_weight(const char* op, const char* name, const at::Tensor& w,
 Fp8Weight fp8_view(const uint8_t* w, const float* scale, int64_t K, int64_t block_n,
                    int64_t block_k);
 
-// Rows of x from which the products dequantize the weight to fp32 and run an fp32 GEMM.
+// Rows of x from which the products dequantize the weight to fp32 and run an fp32 GEMM, unless
+// the rows are staged for the AMX kernel and the weight's block_k is a multiple of 64.
 constexpr int64_t kFp8GemmRows = 64;
-bool fp8_uses_gemm(int64_t M);
+bool fp8_uses_gemm(int64_t M, const Fp8Rows& x, const Fp8Weight& w);
 
 // out[m * ldo + n] for n in [0, N): fp8_dot in parallel over the weight's rows (>= ~64 KB of
-// weight per thread); with M >= kFp8GemmRows the weight dequantized to fp32 (w * s rounded
-// once) a tile of rows at a time and an fp32 GEMM (at::mm).
+// weight per thread); when fp8_uses_gemm the weight dequantized to fp32 (w * s rounded once) a
+// tile of rows at a time and an fp32 GEMM (at::mm).
 void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
                      int64_t ldo);
 
-// Weight rows per at::parallel_for grain: >= ~64 KB of weight, so a thread's wake-up costs
-// less than its share.
+// Weight rows per at::parallel_for grain: a multiple of 16 (the AMX kernel's tiles), ~64 KB of
+// weight and at least 16 rows, so a thread's wake-up costs less than its share.
 int64_t fp8_row_grain(int64_t K);
 
 }  // namespace mlafx

@@ -106,9 +106,13 @@ void fp8_dot(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_
 }  // namespace mlafx
 
 TORCH_LIBRARY_FRAGMENT(mlafx, m) {
-  // Which kernel the block FP8 ops take in this process for few rows of x: "avx512_vbmi" (the
+  // Which kernels the block FP8 ops take in this process: "avx512_amx" (bf16 rows of x from
+  // kFp8TileMinRows on go to AMX-BF16 tiles, fewer as "avx512_vbmi"), "avx512_vbmi" (the
   // byte-table decoding), "avx512_bf16", "avx2" or "portable".
   m.def("fp8_cpu_isa() -> str", [] {
+    if (mlafx::use_avx512_vbmi() && mlafx::use_amx_bf16()) {
+      return std::string("avx512_amx");
+    }
     if (mlafx::use_avx512_vbmi()) {
       return std::string("avx512_vbmi");
     }

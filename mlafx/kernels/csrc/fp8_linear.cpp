@@ -38,11 +38,39 @@ namespace mlafx {
 
 Fp8Rows Fp8Activations::view(int64_t row0) const {
   if (is_bf16) {
+    const uint16_t* staged = row0 == 0 && tiles.defined()
+                                 ? static_cast<const uint16_t*>(tiles.const_data_ptr())
+                                 : nullptr;
     return Fp8Rows{reinterpret_cast<const uint16_t*>(data.const_data_ptr<c10::BFloat16>()) +
                        row0 * ld,
-                   nullptr, ld};
+                   nullptr, ld, staged};
   }
   return Fp8Rows{nullptr, data.const_data_ptr<float>() + row0 * ld, ld};
+}
+
+void Fp8Activations::stage_tiles() { tiles = mlafx::stage_tiles(view(), rows, cols); }
+
+bool fp8_uses_tiles(int64_t M) {
+  return M >= kFp8TileMinRows && use_amx_bf16() && use_avx512_vbmi();
+}
+
+at::Tensor empty_tiles(int64_t M, int64_t K) {
+  at::Tensor tiles = at::empty({avx512::fp8_tile_elements(M, K)}, at::kShort);
+  // ATen's CPU allocator aligns to 64 bytes: the tiles' rows never straddle two lines
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(tiles.data_ptr()) % 64 == 0);
+  return tiles;
+}
+
+at::Tensor stage_tiles(const Fp8Rows& x, int64_t M, int64_t K) {
+  if (x.bf16 == nullptr || !fp8_uses_tiles(M) || K == 0) {
+    return {};
+  }
+  at::Tensor tiles = empty_tiles(M, K);
+  auto* data = reinterpret_cast<uint16_t*>(tiles.data_ptr<int16_t>());
+  mlafx::parallel_chunks(0, (M + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+    avx512::fp8_stage_tiles(x.bf16, x.ld, K, b0 * 16, std::min(M, b1 * 16), data);
+  });
+  return tiles;
 }
 
 namespace {
@@ -133,7 +161,10 @@ Fp8Weight fp8_view(const uint8_t* w, const float* scale, int64_t K, int64_t bloc
   return Fp8Weight{w, K, scale, (K + block_k - 1) / block_k, K, block_n, block_k};
 }
 
-int64_t fp8_row_grain(int64_t K) { return std::max<int64_t>(1, (int64_t{64} << 10) / std::max<int64_t>(K, 1)); }
+// whole 16-row tiles (the AMX kernel's)
+int64_t fp8_row_grain(int64_t K) {
+  return std::max<int64_t>(16, (int64_t{64} << 10) / std::max<int64_t>(K, 1) / 16 * 16);
+}
 
 namespace {
 
@@ -174,11 +205,13 @@ void gemm_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N
 
 }  // namespace
 
-bool fp8_uses_gemm(int64_t M) { return M >= kFp8GemmRows; }
+bool fp8_uses_gemm(int64_t M, const Fp8Rows& x, const Fp8Weight& w) {
+  return M >= kFp8GemmRows && (x.tiles == nullptr || w.block_k % 64 != 0);
+}
 
 void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
                      int64_t ldo) {
-  if (fp8_uses_gemm(M)) {
+  if (fp8_uses_gemm(M, x, w)) {
     gemm_product_f32(w, x, M, N, out, ldo);
     return;
   }
@@ -194,7 +227,7 @@ constexpr int64_t kScratchFloats = 64 << 10;  // 256 KB per thread
 template <typename scalar_t>
 void run_range(const Fp8Weight& w, const Fp8Activations& xa, int64_t M, int64_t N, int64_t n0,
                int64_t n1, scalar_t* out) {
-  const int64_t step = std::clamp<int64_t>(kScratchFloats / std::max<int64_t>(M, 1), 16, 1024);
+  const int64_t step = std::clamp<int64_t>(kScratchFloats / std::max<int64_t>(M, 1), 16, 1024) / 16 * 16;
   ScratchVector<float> scratch(static_cast<size_t>(M * std::min(step, n1 - n0)));
   const Fp8Rows x = xa.view();
   for (int64_t s0 = n0; s0 < n1; s0 += step) {
@@ -238,10 +271,11 @@ at::Tensor linear_fp8(const at::Tensor& x,       // [M, K]
   if (K == 0) {
     out.zero_();
   } else {
-    const Fp8Activations xa = fp8_activations(x);
+    Fp8Activations xa = fp8_activations(x);
+    xa.stage_tiles();
     const Fp8Weight w = fp8_view(static_cast<const uint8_t*>(weight.const_data_ptr()),
                                  scale.const_data_ptr<float>(), K, block_n, block_k);
-    if (fp8_uses_gemm(M)) {
+    if (fp8_uses_gemm(M, xa.view(), w)) {
       at::Tensor full = at::empty({M, N}, at::kFloat);
       fp8_product_f32(w, xa.view(), M, N, full.data_ptr<float>(), N);
       out.copy_(full);

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "fp8_aten.h"
@@ -88,6 +89,31 @@ void add_weighted_rows(const Problem& pb, const Routing& routing, const ExpertGr
   }
 }
 
+// Each group's rows of `a` (from row_of_group[g] on); those of a group of fp8_uses_tiles' size
+// are staged for the AMX kernel, threads splitting the groups, into tiles that `keep` owns.
+std::vector<Fp8Rows> group_rows(const Fp8Activations& a, const std::vector<int64_t>& row_of_group,
+                                const std::vector<ExpertGroup>& groups,
+                                std::vector<at::Tensor>& keep) {
+  std::vector<Fp8Rows> rows;
+  std::vector<std::pair<int64_t, uint16_t*>> to_stage;  // (group, its tiles)
+  for (size_t g = 0; g < groups.size(); ++g) {
+    rows.push_back(a.view(row_of_group[g]));
+    if (a.is_bf16 && a.cols > 0 && fp8_uses_tiles(groups[g].size())) {
+      keep.push_back(empty_tiles(groups[g].size(), a.cols));
+      auto* tiles = reinterpret_cast<uint16_t*>(keep.back().data_ptr<int16_t>());
+      rows.back().tiles = tiles;
+      to_stage.emplace_back(static_cast<int64_t>(g), tiles);
+    }
+  }
+  mlafx::parallel_chunks(0, static_cast<int64_t>(to_stage.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const auto [g, tiles] = to_stage[static_cast<size_t>(i)];
+      avx512::fp8_stage_tiles(rows[g].bf16, rows[g].ld, a.cols, 0, groups[g].size(), tiles);
+    }
+  });
+  return rows;
+}
+
 template <typename scalar_t>
 void run_streaming(const Problem& pb, const Routing& routing, const Fp8Activations& xa,
                    const at::Tensor& x) {
@@ -101,6 +127,8 @@ void run_streaming(const Problem& pb, const Routing& routing, const Fp8Activatio
   }
   const int64_t P = static_cast<int64_t>(tokens.size());
   const Fp8Activations xs = gather_rows(xa, tokens);  // [P] rows
+  std::vector<at::Tensor> staged;  // the groups' rows for the AMX kernel
+  const std::vector<Fp8Rows> x_rows = group_rows(xs, row_of_group, routing.streaming, staged);
   at::Tensor h = at::empty({P, I}, x.options());      // [P, I]
   scalar_t* h_data = h.data_ptr<scalar_t>();
   const int64_t num_groups = static_cast<int64_t>(routing.streaming.size());
@@ -112,7 +140,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const Fp8Activatio
     std::vector<float> up(gate.size());
     for (int64_t g = 0; g < num_groups; ++g) {
       const ExpertGroup& group = routing.streaming[g];
-      const Fp8Rows rows = xs.view(row_of_group[g]);
+      const Fp8Rows& rows = x_rows[g];
       fp8_dot(pb.gate(group.expert), rows, group.size(), i0, i1, gate.data(), ld);
       fp8_dot(pb.up(group.expert), rows, group.size(), i0, i1, up.data(), ld);
       for (int64_t j = 0; j < group.size(); ++j) {
@@ -123,6 +151,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const Fp8Activatio
   });
 
   const Fp8Activations ha = fp8_activations(h);
+  const std::vector<Fp8Rows> h_rows = group_rows(ha, row_of_group, routing.streaming, staged);
 
   // Pass 2: threads split w2's rows d, i.e. own output columns [d0, d1).
   mlafx::parallel_chunks(0, D, fp8_row_grain(I), [&](int64_t d0, int64_t d1) {
@@ -130,8 +159,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const Fp8Activatio
     std::vector<float> y(static_cast<size_t>(kMaxStreamingPairs * ld));
     for (int64_t g = 0; g < num_groups; ++g) {
       const ExpertGroup& group = routing.streaming[g];
-      fp8_dot(pb.down(group.expert), ha.view(row_of_group[g]), group.size(), d0, d1, y.data(),
-              ld);
+      fp8_dot(pb.down(group.expert), h_rows[g], group.size(), d0, d1, y.data(), ld);
       add_weighted_rows<scalar_t>(pb, routing, group, y.data(), ld, d0, d1);
     }
   });
@@ -145,7 +173,8 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
   for (int64_t j = group.begin; j < group.end; ++j) {
     tokens.push_back(routing.sorted_pairs[j] / pb.num_pairs_per_token);
   }
-  const Fp8Activations xe = gather_rows(xa, tokens);
+  Fp8Activations xe = gather_rows(xa, tokens);
+  xe.stage_tiles();
   ScratchVector<float> gate_up(static_cast<size_t>(c * 2 * I));  // [c, 2I] fp32
   fp8_product_f32(pb.gate(group.expert), xe.view(), c, I, gate_up.data(), 2 * I);
   fp8_product_f32(pb.up(group.expert), xe.view(), c, I, gate_up.data() + I, 2 * I);
@@ -157,7 +186,8 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
       silu_times_up_row(row, row + I, h_data + j * I, I);
     }
   });
-  const Fp8Activations ha = fp8_activations(h);
+  Fp8Activations ha = fp8_activations(h);
+  ha.stage_tiles();
   ScratchVector<float> y(static_cast<size_t>(c * D));  // [c, D] fp32
   fp8_product_f32(pb.down(group.expert), ha.view(), c, D, y.data(), D);
   mlafx::parallel_chunks(0, D, 256, [&](int64_t d0, int64_t d1) {
