@@ -39,6 +39,7 @@
 #include "attention.h"
 #include "attention_avx512_math.h"
 #include "attention_prefetch.h"
+#include "transpose_avx512.h"
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__) || !defined(__AVX512BF16__)
 #error "attention_amx_avx512.cpp must be compiled with the AVX-512 and AMX flags from setup.py"
@@ -224,33 +225,6 @@ void qk_tiles(const Layout& L, const Header& h, const uint32_t* qp, float* s,
 
 // ---- softmax: vertical over keys; P written as the two zero-interleaved A tiles ---------------
 
-// In-register transpose of a 16 x 16 matrix of 32-bit elements.
-inline void transpose16x16(__m512i x[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    x[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
-    x[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
-    x[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    x[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  // Each 128-bit lane now holds a 4 x 4 block in place; two rounds of 128-bit lane shuffles
-  // move the blocks.
-  for (int i = 0; i < 2; ++i) {
-    for (int j = 0; j < 4; ++j) {
-      t[8 * i + j] = _mm512_shuffle_i32x4(x[8 * i + j], x[8 * i + 4 + j], 0x88);
-      t[8 * i + 4 + j] = _mm512_shuffle_i32x4(x[8 * i + j], x[8 * i + 4 + j], 0xdd);
-    }
-  }
-  for (int j = 0; j < 8; ++j) {
-    x[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-    x[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-  }
-}
-
 // Scores of keys 0..n-1 (raw q.k in s) -> scaled, masked, exponentiated against the running
 // max; returns true if some row's max moved (alpha != 1 somewhere).
 bool softmax_block(void* ws, const Layout& L, const Header& h, int64_t j0, int64_t n,
@@ -309,8 +283,8 @@ bool softmax_block(void* ws, const Layout& L, const Header& h, int64_t j0, int64
         cols[k] = _mm512_cvtepu16_epi32((__m256i)hi);
         lows[k] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
       }
-      transpose16x16(cols);  // cols[g] = row g: its 16 keys
-      transpose16x16(lows);
+      transpose_16x16_epi32(cols);  // cols[g] = row g: its 16 keys
+      transpose_16x16_epi32(lows);
       const int64_t at = (r * kSubTiles + sub) * (kTileBytes / 4);
       for (int g = 0; g < 16; ++g) {
         _mm512_storeu_si512(pe + at + 16 * g, cols[g]);

@@ -28,6 +28,7 @@
 #include "fp8.h"
 #include "fp8_vbmi_avx512.h"
 #include "scratch_buffer.h"
+#include "transpose_avx512.h"
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
 #error "fp8_dot_amx_avx512.cpp must be compiled with the AVX-512 and AMX flags from setup.py"
@@ -52,32 +53,6 @@ void configure() {
   cfg.set(1, kTileRows, 64);
   cfg.set(2, kTileRows, 64);
   cfg.load();
-}
-
-// The 16 x 16 matrix of 32-bit lanes r[i][j] -> r[j][i].
-inline void transpose16x16_epi32(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  __m512i u[16];  // u[4g + e], 128-bit lane l: rows 4g..4g+3 at column 4l + e
-  for (int g = 0; g < 16; g += 4) {
-    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {  // column 4l + e = lane l of u[e], u[4 + e], u[8 + e], u[12 + e]
-    const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88);
-    const __m512i v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
-    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
-    r[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    r[4 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    r[8 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-    r[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-  }
 }
 
 // A tile of weight rows n..n+rows-1 decoded a panel of columns at a time into a staging area of
@@ -207,8 +182,8 @@ void fp8_stage_tiles(const uint16_t* x, int64_t ldx, int64_t K, int64_t m0, int6
         a[j] = _mm512_permutex2var_epi32(x0, half_a, x1);
         b[j] = _mm512_permutex2var_epi32(x0, half_b, x1);
       }
-      transpose16x16_epi32(a);
-      transpose16x16_epi32(b);
+      transpose_16x16_epi32(a);
+      transpose_16x16_epi32(b);
       uint16_t* tile_a = block + (k / kTileK) * kTileElements;
       for (int p = 0; p < 16; ++p) {
         _mm512_store_si512(tile_a + p * 32, a[p]);

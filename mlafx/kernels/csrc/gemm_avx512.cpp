@@ -19,6 +19,7 @@
 #include "attention_avx512_math.h"  // load_pair
 #include "bf16_avx512.h"
 #include "gemm.h"
+#include "transpose_avx512.h"
 
 #if !defined(__AVX512BF16__)
 #error "gemm_avx512.cpp must be compiled with the AVX-512 flags from setup.py"
@@ -212,37 +213,6 @@ inline int tile_rows_for(int64_t M) {
   return static_cast<int>((M + num_tiles - 1) / num_tiles);
 }
 
-// ---- unpacking the packed layout -------------------------------------------------------
-//
-// For 16-bit elements a column pair is 32 bits, so 16 consecutive pairs of a block (16 rows
-// at one pair each, one 64-byte line) are a row of a 16 x 16 matrix of 32-bit values whose
-// transpose holds 16 consecutive pairs of each row: three rounds of in-lane unpacks and lane
-// shuffles, instead of the scalar loop's 256 scattered 4-byte copies.
-inline void transpose_16x16_epi32(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {  // t[2i], t[2i+1]: rows 2i, 2i+1 interleaved per 128-bit lane
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  __m512i u[16];  // u[4g + j], lane L: column 4L + j of rows 4g..4g+3
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {  // a 4 x 4 transpose of 128-bit lanes per j
-    const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
-    const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
-    r[j] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    r[4 + j] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
-    r[8 + j] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-  }
-}
-
 }  // namespace
 
 void rows_dot_bf16(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t ldw,
@@ -363,6 +333,10 @@ void packed_dot_bf16(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* 
   }
 }
 
+// For 16-bit elements a column pair is 32 bits, so 16 consecutive pairs of a block (16 rows at
+// one pair each, one 64-byte line) are a row of a 16 x 16 matrix of 32-bit values whose
+// transpose holds 16 consecutive pairs of each row (transpose_16x16_epi32), instead of the
+// scalar loop's 256 scattered 4-byte copies.
 void unpack_rows_16bit(const uint16_t* packed, int64_t K, int64_t n_begin, int64_t n_end,
                        uint16_t* dst, int64_t ldd) {
   const int64_t K2 = (K + 1) / 2;
