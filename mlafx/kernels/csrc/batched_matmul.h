@@ -45,7 +45,7 @@ namespace avx512 {
 // of scratch (x's rows of one head, widened).
 void batched_matmul_items(const BmmArgs& a, int64_t begin, int64_t end, float* xf);
 // The AMX kernel on heads [begin, end) of `a` (bf16); scratch: batched_matmul_amx_scratch(a)
-// uint16 elements per thread.
+// uint16 elements per thread, 64-byte aligned (a ScratchVector).
 int64_t batched_matmul_amx_scratch(const BmmArgs& a);
 void batched_matmul_heads_amx(const BmmArgs& a, int64_t begin, int64_t end, uint16_t* scratch);
 }  // namespace avx512

@@ -28,6 +28,7 @@
 #include "amx_tiles.h"
 #include "batched_matmul.h"
 #include "bf16_avx512.h"
+#include "workspace_layout.h"
 
 #if !defined(__AMX_TILE__) || !defined(__AMX_BF16__)
 #error "batched_matmul_amx_avx512.cpp must be compiled with the AVX-512 and AMX flags from setup.py"
@@ -139,28 +140,41 @@ void run_head(const BmmArgs& a, int64_t b, const uint16_t* xs, int64_t k_pad, in
   }
 }
 
+// A thread's scratch, each region from a 64-byte boundary: a chunk's B tiles (32 x n_pad
+// bf16), the head's rows of x (M x k_pad bf16) and the fp32 sums (M x n_pad).
+struct ScratchLayout {
+  int64_t k_pad = 0;
+  int64_t n_pad = 0;
+  size_t staging = 0, rows = 0, sums = 0, bytes = 0;
+};
+
+ScratchLayout scratch_layout(const BmmArgs& a) {
+  ScratchLayout L;
+  L.k_pad = (a.K + kChunk - 1) / kChunk * kChunk;
+  L.n_pad = (a.N + kCols - 1) / kCols * kCols;
+  WorkspaceCarver carve;
+  L.staging = carve.take(static_cast<size_t>(32 * L.n_pad) * sizeof(uint16_t));
+  L.rows = carve.take(static_cast<size_t>(a.M * L.k_pad) * sizeof(uint16_t));
+  L.sums = carve.take(static_cast<size_t>(a.M * L.n_pad) * sizeof(float));
+  L.bytes = carve.total();
+  return L;
+}
+
 }  // namespace
 
 int64_t batched_matmul_amx_scratch(const BmmArgs& a) {
-  const int64_t k_pad = (a.K + kChunk - 1) / kChunk * kChunk;
-  const int64_t n_pad = (a.N + kCols - 1) / kCols * kCols;
-  // a chunk's B tiles (32 x n_pad), x's rows, M x n_pad fp32 sums (in uint16 units), 64-byte
-  // alignment
-  return 32 * n_pad + a.M * k_pad + 2 * a.M * n_pad + 32;
+  return static_cast<int64_t>(scratch_layout(a).bytes / sizeof(uint16_t));
 }
 
 void batched_matmul_heads_amx(const BmmArgs& a, int64_t begin, int64_t end, uint16_t* scratch) {
-  const int64_t k_pad = (a.K + kChunk - 1) / kChunk * kChunk;
-  uint16_t* base = reinterpret_cast<uint16_t*>(
-      (reinterpret_cast<uintptr_t>(scratch) + 63) & ~uintptr_t{63});
-  const int64_t n_pad = (a.N + kCols - 1) / kCols * kCols;
-  uint16_t* staging = base;             // 32 * n_pad elements: a chunk's B tiles
-  uint16_t* xs = base + 32 * n_pad;     // M * k_pad (a multiple of 32: 64-byte aligned)
-  float* sums = reinterpret_cast<float*>(xs + a.M * k_pad);
+  const ScratchLayout L = scratch_layout(a);
+  uint16_t* staging = at_offset<uint16_t>(scratch, L.staging);
+  uint16_t* xs = at_offset<uint16_t>(scratch, L.rows);
+  float* sums = at_offset<float>(scratch, L.sums);
   configure(a.M);
   for (int64_t b = begin; b < end; ++b) {
-    stage_rows(a, b, k_pad, xs);
-    run_head(a, b, xs, k_pad, n_pad, staging, sums);
+    stage_rows(a, b, L.k_pad, xs);
+    run_head(a, b, xs, L.k_pad, L.n_pad, staging, sums);
   }
   _tile_release();  // the tile state back to its init state: no 8 KB to save on a switch
 }

@@ -1,7 +1,8 @@
 // Carving a per-thread workspace into 64-byte aligned regions (a cache line, a zmm register):
 // every attention core's Layout (attention.cpp, attention_avx512.cpp, attention_amx_avx512.cpp,
-// attention_f32_layout.h) and the DSA indexer's (dsa_indexer.cpp, dsa_indexer_avx512.cpp)
-// describe their regions with it, and read them back through `at_offset`.
+// attention_f32_layout.h), the DSA indexer's (dsa_indexer.cpp, dsa_indexer_avx512.cpp) and the
+// AMX batched_matmul's (batched_matmul_amx_avx512.cpp) describe their regions with it, and read
+// them back through `at_offset`.
 //
 // Free of intrinsics and in an anonymous namespace: each source (portable, AVX2, AVX-512)
 // compiles its own copy (internal linkage), so no copy built with wider vector flags can stand
