@@ -176,9 +176,10 @@ void fp8_stage_tiles(const uint16_t* x, int64_t ldx, int64_t K, int64_t m0, int6
           continue;
         }
         const uint16_t* row = x + (mb * kTileRows + j) * ldx + k;
-        const __m512i x0 = _mm512_maskz_loadu_epi16(first_lanes32(std::max<int64_t>(K - k, 0)), row);
-        const __m512i x1 =
-            _mm512_maskz_loadu_epi16(first_lanes32(std::max<int64_t>(K - k - 32, 0)), row + 32);
+        const __mmask32 low = first_lanes32(std::max<int64_t>(K - k, 0));
+        const __mmask32 high = first_lanes32(std::max<int64_t>(K - k - 32, 0));
+        const __m512i x0 = _mm512_maskz_loadu_epi16(low, row);
+        const __m512i x1 = _mm512_maskz_loadu_epi16(high, row + 32);
         a[j] = _mm512_permutex2var_epi32(x0, half_a, x1);
         b[j] = _mm512_permutex2var_epi32(x0, half_b, x1);
       }

@@ -227,7 +227,9 @@ constexpr int64_t kScratchFloats = 64 << 10;  // 256 KB per thread
 template <typename scalar_t>
 void run_range(const Fp8Weight& w, const Fp8Activations& xa, int64_t M, int64_t N, int64_t n0,
                int64_t n1, scalar_t* out) {
-  const int64_t step = std::clamp<int64_t>(kScratchFloats / std::max<int64_t>(M, 1), 16, 1024) / 16 * 16;
+  // whole 16-row tiles (the AMX kernel's)
+  const int64_t step =
+      std::clamp<int64_t>(kScratchFloats / std::max<int64_t>(M, 1), 16, 1024) / 16 * 16;
   ScratchVector<float> scratch(static_cast<size_t>(M * std::min(step, n1 - n0)));
   const Fp8Rows x = xa.view();
   for (int64_t s0 = n0; s0 < n1; s0 += step) {
