@@ -173,11 +173,13 @@ def _opcheck(op, args):
 def test_opcheck(dtype):
     gen = torch.Generator().manual_seed(2)
     w, s = _weight(33, 96, gen), _scale(33, 96, (16, 32), gen)
+    w64, s64 = _weight(33, 96, gen), _scale(33, 96, (16, 64), gen)  # the AMX tiles from 4 rows
     for m in (0, 1, 9):
         x = _rows(m, 96, dtype, gen)
         bias = torch.randn(33, generator=gen).to(dtype)
         for b in (None, bias):
             _opcheck(torch.ops.mlafx.linear_fp8.default, (x, w, s, 16, 32, b))
+            _opcheck(torch.ops.mlafx.linear_fp8.default, (x, w64, s64, 16, 64, b))
     args = _moe_case(5, 64, 40, 3, 2, dtype, gen)
     _opcheck(torch.ops.mlafx.moe_experts_fp8.default, (*args[:-1], *args[-1]))
 

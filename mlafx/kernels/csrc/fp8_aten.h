@@ -25,20 +25,21 @@ struct Fp8Activations {
 
   // Rows from row0 on; only row0 = 0 carries the staged tiles.
   Fp8Rows view(int64_t row0 = 0) const;
-  // Stages the rows for the AMX kernel when fp8_uses_tiles(rows) and they are bf16.
-  void stage_tiles();
+  // Stages the rows for the AMX kernel when fp8_uses_tiles(rows, block_k) and they are bf16.
+  void stage_tiles(int64_t block_k);
 };
 
-// Whether M bf16 rows of x take the AMX tile kernel (fp8_dot_amx_avx512.cpp): the CPU has
-// AMX-BF16 and VBMI (and MLAFX_DISABLE_* leaves them on) and M >= kFp8TileMinRows. From 4:
+// Whether M bf16 rows of x take the AMX tile kernel (fp8_dot_amx_avx512.cpp) against weights of
+// this block_k: the CPU has AMX-BF16 and VBMI (and MLAFX_DISABLE_* leaves them on), block_k is
+// a multiple of 64 (the decoder's chunks) and M >= kFp8TileMinRows. From 4:
 // at 2-3 rows a dense linear gained ~10% on tiles, but 8 tokens' experts (groups of 1-3
 // rows, each staged apart) lost as much (Xeon, 6 Dec 2026).
 constexpr int64_t kFp8TileMinRows = 4;
-bool fp8_uses_tiles(int64_t M);
+bool fp8_uses_tiles(int64_t M, int64_t block_k);
 
 // M bf16 rows at x staged for the AMX kernel (int16 [fp8_tile_elements(M, K)] holding bf16
-// bits), staged in parallel; undefined unless fp8_uses_tiles(M) and x.bf16 is set.
-at::Tensor stage_tiles(const Fp8Rows& x, int64_t M, int64_t K);
+// bits), staged in parallel; undefined unless fp8_uses_tiles(M, block_k) and x.bf16 is set.
+at::Tensor stage_tiles(const Fp8Rows& x, int64_t M, int64_t K, int64_t block_k);
 // Uninitialised storage for M staged rows of K columns, 64-byte aligned.
 at::Tensor empty_tiles(int64_t M, int64_t K);
 
@@ -61,9 +62,9 @@ Fp8Weight fp8_view(const uint8_t* w, const float* scale, int64_t K, int64_t bloc
                    int64_t block_k);
 
 // Rows of x from which the products dequantize the weight to fp32 and run an fp32 GEMM, unless
-// the rows are staged for the AMX kernel and the weight's block_k is a multiple of 64.
+// the rows are staged for the AMX kernel.
 constexpr int64_t kFp8GemmRows = 64;
-bool fp8_uses_gemm(int64_t M, const Fp8Rows& x, const Fp8Weight& w);
+bool fp8_uses_gemm(int64_t M, const Fp8Rows& x);
 
 // out[m * ldo + n] for n in [0, N): fp8_dot in parallel over the weight's rows (>= ~64 KB of
 // weight per thread); when fp8_uses_gemm the weight dequantized to fp32 (w * s rounded once) a

@@ -62,7 +62,7 @@ struct WeightTile {
   int64_t rows = 0;
   uint16_t* staging = nullptr;
   int64_t ld = 0;
-  const float* scale[kTileRows] = {};  // each row's first block scale
+  const float* scale[kTileRows] = {};  // each row's block scales
 };
 
 // Columns [k0, k1) of the tile's rows decoded (k0 a multiple of 64), each row's next panel

@@ -48,10 +48,12 @@ Fp8Rows Fp8Activations::view(int64_t row0) const {
   return Fp8Rows{nullptr, data.const_data_ptr<float>() + row0 * ld, ld};
 }
 
-void Fp8Activations::stage_tiles() { tiles = mlafx::stage_tiles(view(), rows, cols); }
+void Fp8Activations::stage_tiles(int64_t block_k) {
+  tiles = mlafx::stage_tiles(view(), rows, cols, block_k);
+}
 
-bool fp8_uses_tiles(int64_t M) {
-  return M >= kFp8TileMinRows && use_amx_bf16() && use_avx512_vbmi();
+bool fp8_uses_tiles(int64_t M, int64_t block_k) {
+  return M >= kFp8TileMinRows && block_k % 64 == 0 && use_amx_bf16() && use_avx512_vbmi();
 }
 
 at::Tensor empty_tiles(int64_t M, int64_t K) {
@@ -61,8 +63,8 @@ at::Tensor empty_tiles(int64_t M, int64_t K) {
   return tiles;
 }
 
-at::Tensor stage_tiles(const Fp8Rows& x, int64_t M, int64_t K) {
-  if (x.bf16 == nullptr || !fp8_uses_tiles(M) || K == 0) {
+at::Tensor stage_tiles(const Fp8Rows& x, int64_t M, int64_t K, int64_t block_k) {
+  if (x.bf16 == nullptr || !fp8_uses_tiles(M, block_k) || K == 0) {
     return {};
   }
   at::Tensor tiles = empty_tiles(M, K);
@@ -205,13 +207,13 @@ void gemm_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N
 
 }  // namespace
 
-bool fp8_uses_gemm(int64_t M, const Fp8Rows& x, const Fp8Weight& w) {
-  return M >= kFp8GemmRows && (x.tiles == nullptr || w.block_k % 64 != 0);
+bool fp8_uses_gemm(int64_t M, const Fp8Rows& x) {
+  return M >= kFp8GemmRows && x.tiles == nullptr;
 }
 
 void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
                      int64_t ldo) {
-  if (fp8_uses_gemm(M, x, w)) {
+  if (fp8_uses_gemm(M, x)) {
     gemm_product_f32(w, x, M, N, out, ldo);
     return;
   }
@@ -274,10 +276,10 @@ at::Tensor linear_fp8(const at::Tensor& x,       // [M, K]
     out.zero_();
   } else {
     Fp8Activations xa = fp8_activations(x);
-    xa.stage_tiles();
+    xa.stage_tiles(block_k);
     const Fp8Weight w = fp8_view(static_cast<const uint8_t*>(weight.const_data_ptr()),
                                  scale.const_data_ptr<float>(), K, block_n, block_k);
-    if (fp8_uses_gemm(M, xa.view(), w)) {
+    if (fp8_uses_gemm(M, xa.view())) {
       at::Tensor full = at::empty({M, N}, at::kFloat);
       fp8_product_f32(w, xa.view(), M, N, full.data_ptr<float>(), N);
       out.copy_(full);

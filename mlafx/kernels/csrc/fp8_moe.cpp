@@ -89,16 +89,16 @@ void add_weighted_rows(const Problem& pb, const Routing& routing, const ExpertGr
   }
 }
 
-// Each group's rows of `a` (from row_of_group[g] on); those of a group of fp8_uses_tiles' size
-// are staged for the AMX kernel, threads splitting the groups, into tiles that `keep` owns.
+// Each group's rows of `a` (from row_of_group[g] on); those of a group that fp8_uses_tiles are
+// staged for the AMX kernel, threads splitting the groups, into tiles that `keep` owns.
 std::vector<Fp8Rows> group_rows(const Fp8Activations& a, const std::vector<int64_t>& row_of_group,
-                                const std::vector<ExpertGroup>& groups,
+                                const std::vector<ExpertGroup>& groups, int64_t block_k,
                                 std::vector<at::Tensor>& keep) {
   std::vector<Fp8Rows> rows;
   std::vector<std::pair<int64_t, uint16_t*>> to_stage;  // (group, its tiles)
   for (size_t g = 0; g < groups.size(); ++g) {
     rows.push_back(a.view(row_of_group[g]));
-    if (a.is_bf16 && a.cols > 0 && fp8_uses_tiles(groups[g].size())) {
+    if (a.is_bf16 && a.cols > 0 && fp8_uses_tiles(groups[g].size(), block_k)) {
       keep.push_back(empty_tiles(groups[g].size(), a.cols));
       auto* tiles = reinterpret_cast<uint16_t*>(keep.back().data_ptr<int16_t>());
       rows.back().tiles = tiles;
@@ -128,7 +128,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const Fp8Activatio
   const int64_t P = static_cast<int64_t>(tokens.size());
   const Fp8Activations xs = gather_rows(xa, tokens);  // [P] rows
   std::vector<at::Tensor> staged;  // the groups' rows for the AMX kernel
-  const std::vector<Fp8Rows> x_rows = group_rows(xs, row_of_group, routing.streaming, staged);
+  const std::vector<Fp8Rows> x_rows = group_rows(xs, row_of_group, routing.streaming, pb.block_k, staged);
   at::Tensor h = at::empty({P, I}, x.options());      // [P, I]
   scalar_t* h_data = h.data_ptr<scalar_t>();
   const int64_t num_groups = static_cast<int64_t>(routing.streaming.size());
@@ -151,7 +151,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const Fp8Activatio
   });
 
   const Fp8Activations ha = fp8_activations(h);
-  const std::vector<Fp8Rows> h_rows = group_rows(ha, row_of_group, routing.streaming, staged);
+  const std::vector<Fp8Rows> h_rows = group_rows(ha, row_of_group, routing.streaming, pb.block_k, staged);
 
   // Pass 2: threads split w2's rows d, i.e. own output columns [d0, d1).
   mlafx::parallel_chunks(0, D, fp8_row_grain(I), [&](int64_t d0, int64_t d1) {
@@ -174,7 +174,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
     tokens.push_back(routing.sorted_pairs[j] / pb.num_pairs_per_token);
   }
   Fp8Activations xe = gather_rows(xa, tokens);
-  xe.stage_tiles();
+  xe.stage_tiles(pb.block_k);
   ScratchVector<float> gate_up(static_cast<size_t>(c * 2 * I));  // [c, 2I] fp32
   fp8_product_f32(pb.gate(group.expert), xe.view(), c, I, gate_up.data(), 2 * I);
   fp8_product_f32(pb.up(group.expert), xe.view(), c, I, gate_up.data() + I, 2 * I);
@@ -187,7 +187,7 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
     }
   });
   Fp8Activations ha = fp8_activations(h);
-  ha.stage_tiles();
+  ha.stage_tiles(pb.block_k);
   ScratchVector<float> y(static_cast<size_t>(c * D));  // [c, D] fp32
   fp8_product_f32(pb.down(group.expert), ha.view(), c, D, y.data(), D);
   mlafx::parallel_chunks(0, D, 256, [&](int64_t d0, int64_t d1) {
