@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from mlafx.kernels import mla_attention_paged, varlen_attention
+from mlafx.kernels import batch_invariant_mode, mla_attention_paged, varlen_attention
 from mlafx.kernels.attention_reference import mla_attention_paged_ref, varlen_attention_ref
 from tests.attention_cases import make_paged, make_varlen
 from tests.bf16_accuracy import BF16, errors, report
 
 # name -> (op, builder): vLLM's and SGLang's CPU MLA test shapes (576-wide rows, 512 values,
-# 16 and 128 heads, block 16, 256 rows), long split-KV contexts, prefill and odd shapes
+# 16 and 128 heads, block 16, 256 rows), long split-KV contexts, prefill and odd shapes; the
+# paged cases in the default and the batch-invariant mode
 PAGED = {
     "vllm_fixed_b4_h16_256": dict(kv_lens=[256] * 4, q_lens=[1] * 4, heads=16, block=16),
     "vllm_varlen_b4_h16": dict(kv_lens=[256, 100, 37, 200], q_lens=[1] * 4, heads=16, block=16),
@@ -32,11 +33,13 @@ def measure() -> dict[str, dict[str, float]]:
             c["kv_lens"], c["q_lens"], c["heads"], c.get("rank", 512), c.get("rope", 64),
             c["block"], BF16, seed,
         )  # fmt: skip
-        out, _ = mla_attention_paged(*p.args())
         args = list(p.args())
         args[0], args[1] = p.q.double(), p.kv_cache.double()
         ref, _ = mla_attention_paged_ref(*args)
-        results[name] = errors(out, ref)
+        for invariant in (False, True):  # batch-invariant mode has its own cores
+            with batch_invariant_mode(invariant):
+                out, _ = mla_attention_paged(*p.args())
+            results[name + ("/invariant" if invariant else "")] = errors(out, ref)
     for seed, (name, c) in enumerate(VARLEN.items()):
         v = make_varlen(c["q_lens"], c["k_lens"], 16, 128, 64, 128, BF16, c["causal"], seed)
         out, _ = varlen_attention(*v.args())

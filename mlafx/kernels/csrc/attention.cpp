@@ -38,6 +38,7 @@
 
 #include "attention.h"
 #include "attention_driver.h"
+#include "batch_invariant.h"
 #include "cpu_features.h"
 #include "op_checks.h"
 
@@ -229,7 +230,8 @@ const CoreOps& select_core(at::ScalarType dtype, const CoreDims& dims) {
   switch (dtype) {
     case at::kBFloat16:
       if (mlafx::use_amx_bf16() && mlafx::avx512::attention_core_amx_supports(dims)) {
-        return mlafx::avx512::attention_core_bf16_amx();
+        return mlafx::batch_invariant() ? mlafx::avx512::attention_core_bf16_amx_pairs()
+                                        : mlafx::avx512::attention_core_bf16_amx();
       }
       if (avx512) return mlafx::avx512::attention_core_bf16();
       return avx2 ? mlafx::avx2::attention_core_bf16() : PortableCore<c10::BFloat16>::ops();

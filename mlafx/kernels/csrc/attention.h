@@ -72,6 +72,10 @@ const mlafx::attn::CoreOps& attention_core_bf16();
 // The AMX tile core for bf16 (attention_amx_avx512.cpp); call only when mlafx::use_amx_bf16()
 // and attention_core_amx_supports(dims) (segment and value widths multiples of 32).
 const mlafx::attn::CoreOps& attention_core_bf16_amx();
+// Its batch-invariant twin (same condition): the block's values staged in key pairs so P.V
+// takes half the tile products; it pays the staging on every block, which decode's
+// memory-bound blocks feel and prefill's compute-bound ones gain from.
+const mlafx::attn::CoreOps& attention_core_bf16_amx_pairs();
 bool attention_core_amx_supports(const mlafx::attn::CoreDims& dims);
 // fp32 FMA cores for fp32 and fp16 inputs (attention_f32_avx512.cpp); same condition.
 const mlafx::attn::CoreOps& attention_core_f32();

@@ -75,7 +75,7 @@ struct Layout {
   int64_t pa, pb;  // feature pairs in segments a and b
   int64_t ca, cb;  // 32-feature chunks in segments a and b
   int64_t dv, wk;  // value width; key width wa + wb
-  size_t hdr, qp, lim, s, pe, po, pel, pol, o, m, l, alpha, stage_k, stage_v, pf, total;
+  size_t hdr, qp, lim, s, pe, po, pel, pol, o, m, l, alpha, stage_k, stage_v, vp, pf, total;
   explicit Layout(const CoreDims& d)
       : pa(d.wa / 2), pb(d.wb / 2), ca(d.wa / 32), cb(d.wb / 32), dv(d.dv), wk(d.wa + d.wb) {
     WorkspaceCarver carve;
@@ -93,6 +93,7 @@ struct Layout {
     alpha = carve.take(4 * kMaxRows);
     stage_k = carve.take(2 * kBlockKeys * static_cast<size_t>(wk));
     stage_v = carve.take(2 * kBlockKeys * static_cast<size_t>(dv));
+    vp = carve.take(2 * kBlockKeys * static_cast<size_t>(dv));
     pf = carve.take(sizeof(PrefetchList));
     total = carve.total();
   }
@@ -227,6 +228,16 @@ void qk_tiles(const Layout& L, const Header& h, const uint32_t* qp, float* s,
 
 // Scores of keys 0..n-1 (raw q.k in s) -> scaled, masked, exponentiated against the running
 // max; returns true if some row's max moved (alpha != 1 somewhere).
+// bf16 bits of p (16 rows' values of one key) and of its remainder p - hi, each in the low
+// half of a 32-bit lane.
+inline void split_hi_lo(__m512 p, __m512i* hi_bits, __m512i* lo_bits) {
+  const __m256bh hi = _mm512_cvtneps_pbh(p);
+  const __m512 lo = _mm512_sub_ps(p, _mm512_cvtpbh_ps(hi));
+  *hi_bits = _mm512_cvtepu16_epi32((__m256i)hi);
+  *lo_bits = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+}
+
+template <bool kPairs>
 bool softmax_block(void* ws, const Layout& L, const Header& h, int64_t j0, int64_t n,
                    float scale_log2) {
   const int64_t gp = h.gp;
@@ -266,6 +277,38 @@ bool softmax_block(void* ws, const Layout& L, const Header& h, int64_t j0, int64
                                           exp2_ps(_mm512_sub_ps(m_old, shift)));
     moved = moved || grow != 0;
     __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(l + v), a);
+    if constexpr (kPairs) {
+      // A tiles of P over 32 keys (16 pairs): lane g of pair i = keys 2i (low) and 2i + 1.
+      for (int64_t half = 0; half < (n + 31) / 32; ++half) {
+        __m512i cols[16];
+        __m512i lows[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          __m512i hi2[2], lo2[2];
+          for (int64_t j = 0; j < 2; ++j) {
+            const int64_t key = 32 * half + 2 * i + j;
+            __m512 p = _mm512_setzero_ps();
+            if (key < n) {
+              p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + key * gp + v), shift));
+              sum = _mm512_add_ps(sum, p);
+            }
+            split_hi_lo(p, &hi2[j], &lo2[j]);
+          }
+          cols[i] = _mm512_or_si512(hi2[0], _mm512_slli_epi32(hi2[1], 16));
+          lows[i] = _mm512_or_si512(lo2[0], _mm512_slli_epi32(lo2[1], 16));
+        }
+        transpose_16x16_epi32(cols);  // cols[g] = row g: its 16 pairs of keys
+        transpose_16x16_epi32(lows);
+        const int64_t at = (r * kSubTiles + half) * (kTileBytes / 4);
+        for (int g = 0; g < 16; ++g) {
+          _mm512_storeu_si512(pe + at + 16 * g, cols[g]);
+          _mm512_storeu_si512(pel + at + 16 * g, lows[g]);
+        }
+      }
+      _mm512_storeu_ps(l + v, sum);
+      _mm512_storeu_ps(m + v, m_new);
+      _mm512_storeu_ps(alpha + v, a);
+      continue;
+    }
     for (int64_t sub = 0; sub < nsub; ++sub) {
       __m512i cols[16];
       __m512i lows[16];
@@ -276,12 +319,7 @@ bool softmax_block(void* ws, const Layout& L, const Header& h, int64_t j0, int64
           p = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + key * gp + v), shift));
           sum = _mm512_add_ps(sum, p);
         }
-        // bf16 bits of P[row, key] (hi, then lo = p - hi) in the low half of each row's
-        // 32-bit lane.
-        const __m256bh hi = _mm512_cvtneps_pbh(p);
-        const __m512 lo = _mm512_sub_ps(p, _mm512_cvtpbh_ps(hi));
-        cols[k] = _mm512_cvtepu16_epi32((__m256i)hi);
-        lows[k] = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(lo));
+        split_hi_lo(p, &cols[k], &lows[k]);
       }
       transpose_16x16_epi32(cols);  // cols[g] = row g: its 16 keys
       transpose_16x16_epi32(lows);
@@ -358,6 +396,75 @@ void pv_tiles(void* ws, const Layout& L, const Header& h, int64_t nsub, const Ti
   }
 }
 
+// ---- P.V on tiles, V in key pairs (the batch-invariant core) ---------------------------------
+//
+// The block's values staged once in the B layout: half h (keys 32h..32h+31), feature tile t
+// (16 features) at (h * dv / 16 + t) * 512 elements, pair p's row = the 16 features of keys
+// 32h + 2p and 32h + 2p + 1 side by side; keys past n are zeros.
+void stage_value_pairs(void* ws, const Layout& L, int64_t n, const void* const* v) {
+  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                       40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                       32, 0);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  uint16_t* vp = at_offset<uint16_t>(ws, L.vp);
+  const int64_t tiles = L.dv / 16;
+  for (int64_t key = 0; key < (n + 31) / 32 * 32; key += 2) {
+    const int64_t half = key / 32, p = key % 32 / 2;
+    const uint16_t* r0 = key < n ? static_cast<const uint16_t*>(v[key]) : nullptr;
+    const uint16_t* r1 = key + 1 < n ? static_cast<const uint16_t*>(v[key + 1]) : nullptr;
+    uint16_t* dst = vp + half * tiles * 512 + 32 * p;
+    for (int64_t f = 0; f < L.dv; f += 32) {
+      const __m512i even = r0 != nullptr ? _mm512_loadu_si512(r0 + f) : _mm512_setzero_si512();
+      const __m512i odd = r1 != nullptr ? _mm512_loadu_si512(r1 + f) : _mm512_setzero_si512();
+      _mm512_store_si512(dst + f / 16 * 512, _mm512_permutex2var_epi16(even, low, odd));
+      _mm512_store_si512(dst + f / 16 * 512 + 512, _mm512_permutex2var_epi16(even, high, odd));
+    }
+  }
+  compiler_barrier();
+}
+
+// O[rows of tile r, :] += P_hi . V + P_lo . V over the block's halves, two 16-feature tiles
+// at a time. Tiles: 0/1 accumulators, 2/3 P's high/low part of half 0, 4/5 of half 1, 6/7
+// value tiles.
+void pv_pairs(void* ws, const Layout& L, const Header& h, int64_t n) {
+  constexpr int64_t kTileWords = kTileBytes / 4;
+  const int64_t halves = (n + 31) / 32;
+  const int64_t tiles = L.dv / 16;
+  const uint16_t* vp = at_offset<uint16_t>(ws, L.vp);
+  const int64_t ostride = 4 * L.dv;
+  for (int64_t r = 0; r < h.rt; ++r) {
+    const uint32_t* pe = at_offset<uint32_t>(ws, L.pe) + r * kSubTiles * kTileWords;
+    const uint32_t* pel = at_offset<uint32_t>(ws, L.pel) + r * kSubTiles * kTileWords;
+    float* o = at_offset<float>(ws, L.o) + 16 * r * L.dv;
+    _tile_loadd(2, pe, 64);
+    _tile_loadd(3, pel, 64);
+    if (halves > 1) {
+      _tile_loadd(4, pe + kTileWords, 64);
+      _tile_loadd(5, pel + kTileWords, 64);
+    }
+    for (int64_t t = 0; t < tiles; t += 2) {
+      _tile_loadd(0, o + 16 * t, ostride);
+      _tile_loadd(1, o + 16 * t + 16, ostride);
+      _tile_loadd(6, vp + t * 512, 64);
+      _tile_loadd(7, vp + (t + 1) * 512, 64);
+      _tile_dpbf16ps(0, 2, 6);
+      _tile_dpbf16ps(0, 3, 6);
+      _tile_dpbf16ps(1, 2, 7);
+      _tile_dpbf16ps(1, 3, 7);
+      if (halves > 1) {
+        _tile_loadd(6, vp + (tiles + t) * 512, 64);
+        _tile_loadd(7, vp + (tiles + t + 1) * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(1, 5, 7);
+      }
+      _tile_stored(0, o + 16 * t, ostride);
+      _tile_stored(1, o + 16 * t + 16, ostride);
+    }
+  }
+}
+
 // ---- the CoreOps entry points ---------------------------------------------------------------
 
 size_t workspace_bytes(const CoreDims& d) { return Layout(d).total; }
@@ -374,21 +481,26 @@ void begin(void* ws, const CoreDims& d, int64_t num_rows, const void* const* q_r
   const int64_t gp = h->gp;
   uint32_t* qp = at_offset<uint32_t>(ws, L.qp);
   int32_t* lim = at_offset<int32_t>(ws, L.lim);
-  // Pack Q as [pair][row]: a 32-bit transpose, once per group.
-  for (int64_t g = 0; g < gp; ++g) {
-    if (g >= num_rows) {
-      for (int64_t kp = 0; kp < L.pa + L.pb; ++kp) {
-        qp[kp * gp + g] = 0;
+  // Pack Q as [pair][row]: 16 x 16 transposes of 32-bit pairs, once per group (the pair
+  // count is a multiple of 16: both segments' widths are multiples of 32).
+  for (int64_t r0 = 0; r0 < gp; r0 += 16) {
+    for (int64_t kp0 = 0; kp0 < L.pa + L.pb; kp0 += 16) {
+      __m512i cols[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        cols[i] = r0 + i < num_rows
+                      ? _mm512_loadu_si512(static_cast<const uint16_t*>(q_rows[r0 + i]) + 2 * kp0)
+                      : _mm512_setzero_si512();
       }
-      lim[g] = 0;
-      continue;
+      transpose_16x16_epi32(cols);  // cols[i] = pair kp0 + i of the 16 rows
+      for (int64_t i = 0; i < 16; ++i) {
+        _mm512_storeu_si512(qp + (kp0 + i) * gp + r0, cols[i]);
+      }
     }
-    const uint16_t* row = static_cast<const uint16_t*>(q_rows[g]);
-    for (int64_t kp = 0; kp < L.pa + L.pb; ++kp) {
-      qp[kp * gp + g] = load_pair(row + 2 * kp);
-    }
+  }
+  for (int64_t g = 0; g < gp; ++g) {
     // Limits beyond int32 are clamped: no key list is that long.
-    lim[g] = static_cast<int32_t>(limits[g] < INT32_MAX ? limits[g] : INT32_MAX);
+    lim[g] = g >= num_rows ? 0
+                           : static_cast<int32_t>(limits[g] < INT32_MAX ? limits[g] : INT32_MAX);
   }
   std::memset(at_offset<float>(ws, L.o), 0, sizeof(float) * gp * L.dv);
   PrefetchList* pf = at_offset<PrefetchList>(ws, L.pf);
@@ -402,6 +514,7 @@ void begin(void* ws, const CoreDims& d, int64_t num_rows, const void* const* q_r
   compiler_barrier();
 }
 
+template <bool kPairs>
 void block(void* ws, const CoreDims& d, int64_t j0, int64_t n, const void* const* ka,
            const void* const* kb, const void* const* v) {
   const Layout L(d);
@@ -424,10 +537,15 @@ void block(void* ws, const CoreDims& d, int64_t j0, int64_t n, const void* const
   }
   pf->issue(pf->total);  // whatever the chunks left
   pf->clear();
-  if (softmax_block(ws, L, h, j0, n, d.scale * kLog2e)) {
+  if (softmax_block<kPairs>(ws, L, h, j0, n, d.scale * kLog2e)) {
     rescale_output(ws, L, h);
   }
-  pv_tiles(ws, L, h, nsub, src);
+  if constexpr (kPairs) {
+    stage_value_pairs(ws, L, n, v);
+    pv_pairs(ws, L, h, n);
+  } else {
+    pv_tiles(ws, L, h, nsub, src);
+  }
 }
 
 void prefetch(void* ws, const CoreDims& d, int64_t n, const void* const* ka,
@@ -435,6 +553,7 @@ void prefetch(void* ws, const CoreDims& d, int64_t n, const void* const* ka,
   at_offset<PrefetchList>(ws, Layout(d).pf)->set_block(d, n, ka, kb, v);
 }
 
+template <bool kPairs>
 void end(void* ws, const CoreDims& d, void* const* out_rows, float* const* out_f32_rows,
          float* const* lse_ptrs) {
   _tile_release();
@@ -458,8 +577,9 @@ void end(void* ws, const CoreDims& d, void* const* out_rows, float* const* out_f
     for (int64_t c = 0; c < L.dv / 32; ++c) {
       const __m512 even = _mm512_loadu_ps(row + 32 * c);
       const __m512 odd = _mm512_loadu_ps(row + 32 * c + 16);
-      __m512 x0 = _mm512_mul_ps(_mm512_permutex2var_ps(even, lo, odd), inv);
-      __m512 x1 = _mm512_mul_ps(_mm512_permutex2var_ps(even, hi, odd), inv);
+      // (the key-pair core keeps features in order)
+      __m512 x0 = _mm512_mul_ps(kPairs ? even : _mm512_permutex2var_ps(even, lo, odd), inv);
+      __m512 x1 = _mm512_mul_ps(kPairs ? odd : _mm512_permutex2var_ps(even, hi, odd), inv);
       if (empty) {
         x0 = _mm512_setzero_ps();
         x1 = _mm512_setzero_ps();
@@ -486,7 +606,12 @@ bool attention_core_amx_supports(const CoreDims& dims) {
 }
 
 const mlafx::attn::CoreOps& attention_core_bf16_amx() {
-  static const CoreOps table{&workspace_bytes, &begin, &block, &end, &prefetch};
+  static const CoreOps table{&workspace_bytes, &begin, &block<false>, &end<false>, &prefetch};
+  return table;
+}
+
+const mlafx::attn::CoreOps& attention_core_bf16_amx_pairs() {
+  static const CoreOps table{&workspace_bytes, &begin, &block<true>, &end<true>, &prefetch};
   return table;
 }
 

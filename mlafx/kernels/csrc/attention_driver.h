@@ -35,6 +35,9 @@ struct WorkItem {
   int64_t group;
   int64_t j0, j1;  // keys of this item
   int64_t split;   // index into the partial buffers, or -1: writes the final output
+  // Batch-invariant mode: the item is a whole group whose pieces (kInvariantSplitKeys each)
+  // run one after the other and are merged in the item, as split items would be.
+  bool pieces = false;
 };
 
 // Below this many keys a split costs more (partials, merge) than the parallelism it buys.
@@ -45,6 +48,10 @@ constexpr int64_t kMinSplitKeys = 512;
 // Batch-invariant mode (batch_invariant.h): every group's keys are cut at multiples of this
 // and the pieces merged, so a row's arithmetic depends only on its own keys.
 constexpr int64_t kInvariantSplitKeys = kMinSplitKeys;
+// A group with at most this many pieces, when the groups are enough work for the threads,
+// runs them in one item (WorkItem::pieces) with thread-local partials: no partial buffer of
+// the whole call (hundreds of MB for a long prefill) and no separate merge pass.
+constexpr int64_t kMaxItemPieces = 16;
 
 // Problem: provides
 //   int64_t num_groups(); int64_t group_keys(g); int64_t group_rows(g);
@@ -71,9 +78,10 @@ AttentionPlan plan_attention(const Problem& problem, int64_t threads) {
   // Aim for about 4 items per thread so the tail of the schedule is short.
   int64_t chunk = std::numeric_limits<int64_t>::max();
   const bool invariant = mlafx::batch_invariant();
+  const bool few_groups = threads > 1 && num_groups < 4 * threads;
   if (invariant) {
     chunk = kInvariantSplitKeys;
-  } else if (threads > 1 && num_groups < 4 * threads) {
+  } else if (few_groups) {
     const int64_t want = (total_keys + 4 * threads - 1) / (4 * threads);
     chunk = std::max(kMinSplitKeys, (want + kBlockKeys - 1) / kBlockKeys * kBlockKeys);
   }
@@ -83,6 +91,10 @@ AttentionPlan plan_attention(const Problem& problem, int64_t threads) {
     const int64_t keys = problem.group_keys(g);
     if (keys <= chunk && !invariant) {
       plan.items.push_back({g, 0, keys, -1});
+      continue;
+    }
+    if (invariant && !few_groups && keys <= kMaxItemPieces * chunk) {
+      plan.items.push_back({g, 0, keys, -1, /*pieces=*/true});
       continue;
     }
     plan.split_groups.push_back(g);
@@ -118,11 +130,130 @@ struct Partials {
   }
 };
 
+// One row's merge of its parts (fp32 outputs and LSEs, in key order) into dst and *lse_dst:
+// the parts with an infinite LSE are empty and skipped; none left gives zeros and -inf.
+// Split items' rows (merge_splits_as) and pieces items' rows both take it, so a row's bits
+// do not depend on which of the two ran it. `parts`, `part_lse`, `weights`: scratch.
+template <typename Out>
+void merge_row(const float* const* all_parts, const float* const* all_lse, int64_t count,
+               int64_t dv, Out* dst, float* lse_dst, std::vector<const float*>& parts,
+               std::vector<float>& part_lse, std::vector<float>& weights) {
+  parts.clear();
+  part_lse.clear();
+  for (int64_t k = 0; k < count; ++k) {
+    const float x = *all_lse[k];
+    if (!std::isinf(x)) {
+      parts.push_back(all_parts[k]);
+      part_lse.push_back(x);
+    }
+  }
+  const int64_t n = static_cast<int64_t>(parts.size());
+  if (n == 0) {
+    std::fill_n(dst, dv, Out(0.f));
+    *lse_dst = kNegInf;
+    return;
+  }
+  weights.resize(n);
+  *lse_dst = mlafx::lse_merge_weights(part_lse.data(), n, weights.data());
+  // sum_k w_k * part_k in k order; one and two parts (the common cases) as plain loops
+  const float w0 = weights[0];
+  const float* p0 = parts[0];
+  if (n == 1) {
+    for (int64_t i = 0; i < dv; ++i) {
+      dst[i] = static_cast<Out>(w0 * p0[i]);
+    }
+    return;
+  }
+  if (n == 2) {
+    const float w1 = weights[1];
+    const float* p1 = parts[1];
+    for (int64_t i = 0; i < dv; ++i) {
+      dst[i] = static_cast<Out>(w0 * p0[i] + w1 * p1[i]);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < dv; ++i) {
+    float acc = w0 * p0[i];
+    for (int64_t k = 1; k < n; ++k) {
+      acc += weights[k] * parts[k][i];
+    }
+    dst[i] = static_cast<Out>(acc);
+  }
+}
+
+// merge_row for the output's dtype.
+inline void merge_row_dtype(at::ScalarType out_dtype, const float* const* all_parts,
+                            const float* const* all_lse, int64_t count, int64_t dv, void* dst,
+                            float* lse_dst, std::vector<const float*>& parts,
+                            std::vector<float>& part_lse, std::vector<float>& weights) {
+  switch (out_dtype) {
+    case at::kBFloat16:
+      return merge_row(all_parts, all_lse, count, dv, static_cast<c10::BFloat16*>(dst), lse_dst,
+                       parts, part_lse, weights);
+    case at::kHalf:
+      return merge_row(all_parts, all_lse, count, dv, static_cast<c10::Half*>(dst), lse_dst,
+                       parts, part_lse, weights);
+    default:
+      return merge_row(all_parts, all_lse, count, dv, static_cast<float*>(dst), lse_dst, parts,
+                       part_lse, weights);
+  }
+}
+
+// A pieces item (WorkItem::pieces): the group's keys in pieces of kInvariantSplitKeys, each
+// finished into thread-local fp32 partials as a split item's would be, then merged per row.
+template <typename Problem>
+void run_pieces(const Problem& problem, const CoreOps& core, const CoreDims& dims,
+                const WorkItem& item, void* ws, at::ScalarType out_dtype) {
+  const void* q[kMaxRows];
+  int64_t limits[kMaxRows];
+  void* out[kMaxRows];
+  float* lse[kMaxRows];
+  float* out_f32[kMaxRows];
+  float* lse_f32[kMaxRows];
+  const void* ka[kBlockKeys];
+  const void* kb[kBlockKeys];
+  const void* v[kBlockKeys];
+  const int64_t rows = problem.group_rows(item.group);
+  const int64_t count = (item.j1 - item.j0 + kInvariantSplitKeys - 1) / kInvariantSplitKeys;
+  thread_local std::vector<float> piece_out, piece_lse, weights;
+  thread_local std::vector<const float*> parts;
+  thread_local std::vector<float> part_lse;
+  piece_out.resize(static_cast<size_t>(count * kMaxRows * dims.dv));
+  piece_lse.resize(static_cast<size_t>(count * kMaxRows));
+  problem.rows(item.group, q, limits, out, lse);
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t j0 = item.j0 + p * kInvariantSplitKeys;
+    const int64_t j1 = std::min(item.j1, j0 + kInvariantSplitKeys);
+    core.begin(ws, dims, rows, q, limits);
+    for (int64_t j = j0; j < j1; j += kBlockKeys) {
+      const int64_t n = std::min(kBlockKeys, j1 - j);
+      problem.keys(item.group, j, n, ka, kb, v);
+      core.block(ws, dims, j, n, ka, kb, v);
+    }
+    for (int64_t g = 0; g < rows; ++g) {
+      out_f32[g] = piece_out.data() + (p * kMaxRows + g) * dims.dv;
+      lse_f32[g] = piece_lse.data() + p * kMaxRows + g;
+    }
+    core.end(ws, dims, nullptr, out_f32, lse_f32);
+  }
+  const float* row_parts[kMaxItemPieces];
+  const float* row_lse[kMaxItemPieces];
+  for (int64_t g = 0; g < rows; ++g) {
+    for (int64_t p = 0; p < count; ++p) {
+      row_parts[p] = piece_out.data() + (p * kMaxRows + g) * dims.dv;
+      row_lse[p] = piece_lse.data() + p * kMaxRows + g;
+    }
+    merge_row_dtype(out_dtype, row_parts, row_lse, count, dims.dv, out[g], lse[g], parts,
+                    part_lse, weights);
+  }
+}
+
 // Runs every item of the plan on the threads (dynamic schedule); whole groups write the final
 // outputs, split items their partials.
 template <typename Problem>
 void run_items(const Problem& problem, const CoreOps& core, const CoreDims& dims,
-               const AttentionPlan& plan, const Partials& partials, int64_t threads) {
+               const AttentionPlan& plan, const Partials& partials, int64_t threads,
+               at::ScalarType out_dtype) {
   const int64_t num_items = static_cast<int64_t>(plan.items.size());
   const int64_t slots = std::min<int64_t>(threads, num_items);
   const size_t ws_bytes = align64(core.workspace_bytes(dims));
@@ -149,6 +280,10 @@ void run_items(const Problem& problem, const CoreOps& core, const CoreDims& dims
     for (int64_t slot = slot_begin; slot < slot_end; ++slot) {
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
         const WorkItem& item = plan.items[i];
+        if (item.pieces) {
+          run_pieces(problem, core, dims, item, ws, out_dtype);
+          continue;
+        }
         const int64_t rows = problem.group_rows(item.group);
         problem.rows(item.group, q, limits, out, lse);
         core.begin(ws, dims, rows, q, limits);
@@ -196,38 +331,23 @@ void merge_splits_as(const Problem& problem, const AttentionPlan& plan, const Pa
     int64_t limits[kMaxRows];
     void* out[kMaxRows];
     float* lse[kMaxRows];
-    std::vector<const float*> parts;
+    std::vector<const float*> parts, row_parts;
+    std::vector<const float*> row_lse;
     std::vector<float> part_lse, weights;
     for (int64_t s = b; s < e; ++s) {
       const int64_t group = plan.split_groups[s];
       const int64_t rows = problem.group_rows(group);
+      const int64_t count = plan.split_count[s];
       problem.rows(group, q, limits, out, lse);
+      row_parts.resize(count);
+      row_lse.resize(count);
       for (int64_t g = 0; g < rows; ++g) {
-        parts.clear();
-        part_lse.clear();
-        for (int64_t k = 0; k < plan.split_count[s]; ++k) {
-          const float x = *partials.lse_row(plan.first_split[s] + k, g);
-          if (!std::isinf(x)) {
-            parts.push_back(partials.out_row(plan.first_split[s] + k, g));
-            part_lse.push_back(x);
-          }
+        for (int64_t k = 0; k < count; ++k) {
+          row_parts[k] = partials.out_row(plan.first_split[s] + k, g);
+          row_lse[k] = partials.lse_row(plan.first_split[s] + k, g);
         }
-        Out* dst = static_cast<Out*>(out[g]);
-        const int64_t n = static_cast<int64_t>(parts.size());
-        if (n == 0) {
-          std::fill_n(dst, dv, Out(0.f));
-          *lse[g] = kNegInf;
-          continue;
-        }
-        weights.resize(n);
-        *lse[g] = mlafx::lse_merge_weights(part_lse.data(), n, weights.data());
-        for (int64_t i = 0; i < dv; ++i) {
-          float acc = weights[0] * parts[0][i];
-          for (int64_t k = 1; k < n; ++k) {
-            acc += weights[k] * parts[k][i];
-          }
-          dst[i] = static_cast<Out>(acc);
-        }
+        merge_row(row_parts.data(), row_lse.data(), count, dv, static_cast<Out*>(out[g]), lse[g],
+                  parts, part_lse, weights);
       }
     }
   });
@@ -256,7 +376,7 @@ inline void run_attention(const Problem& problem, const CoreOps& core, const Cor
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const AttentionPlan plan = plan_attention(problem, threads);
   const Partials partials(plan.num_partials, dims.dv);
-  run_items(problem, core, dims, plan, partials, threads);
+  run_items(problem, core, dims, plan, partials, threads, out_dtype);
   if (plan.num_partials > 0) {
     merge_splits(problem, plan, partials, out_dtype);
   }

@@ -8,11 +8,13 @@
 //     bf16 with kBatchedMatmulAmxMinRows..16 rows on AMX-BF16 CPUs: the tile kernel of
 //     batched_matmul_amx_avx512.cpp (the same sums and rounding).
 //
-// In batch-invariant mode (batch_invariant.h) the rows go through ATen's bmm as fixed
-// [B, kTileRows, K] tiles, the last one zero-padded: the library picks its kernel by the
-// problem's shape (fp32 takes another summation order below 4 rows, measured on Zen 4), and
-// with every call the same shape a row's sums depend on its own values alone. Costs one call
-// per 16 rows; off, this is plain bmm.
+// In batch-invariant mode (batch_invariant.h), bf16 on AMX-BF16 CPUs takes the tile kernels
+// at every row count (up to 16 rows the few-row one, past it the many-rows one, which stages
+// each head's w once; a row's sums are the same in both). Otherwise the rows go through
+// ATen's bmm as fixed [B, kTileRows, K] tiles, the last one zero-padded: the library picks
+// its kernel by the problem's shape (fp32 takes another summation order below 4 rows,
+// measured on Zen 4), and with every call the same shape a row's sums depend on its own
+// values alone. Costs one call per 16 rows; off, this is plain bmm.
 // Python reference: torch.bmm.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/bmm.h>
@@ -44,9 +46,11 @@ BmmArgs bmm_args(const at::Tensor& x, const at::Tensor& wc, at::Tensor& out) {
                  wc.size(2)};
 }
 
-// The few-row kernels (batched_matmul.h) on 16-bit x and w: the AMX one when `amx`, else the
-// streaming one.
-at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, bool amx) {
+// Which of batched_matmul.h's kernels runs a call.
+enum class BmmKernel { kStream, kAmx, kAmxBlocks };
+
+// batched_matmul.h's kernels on 16-bit x and w.
+at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, BmmKernel kernel) {
   const at::Tensor wc = w.stride(2) == 1 ? w : w.contiguous();
   const int64_t B = x.size(0), M = x.size(1), K = x.size(2), N = w.size(2);
   at::Tensor out = at::empty({B, M, N}, x.options());
@@ -57,18 +61,28 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, bool amx) {
     return out.zero_();
   }
   const BmmArgs args = bmm_args(x, wc, out);
-  if (amx) {
-    parallel_chunks(0, B, 1, [&](int64_t begin, int64_t end) {
-      ScratchVector<uint16_t> scratch(
-          static_cast<size_t>(avx512::batched_matmul_amx_scratch(args)));
-      avx512::batched_matmul_heads_amx(args, begin, end, scratch.data());
-    });
-    return out;
+  switch (kernel) {
+    case BmmKernel::kAmx:
+      parallel_chunks(0, B, 1, [&](int64_t begin, int64_t end) {
+        ScratchVector<uint16_t> scratch(
+            static_cast<size_t>(avx512::batched_matmul_amx_scratch(args)));
+        avx512::batched_matmul_heads_amx(args, begin, end, scratch.data());
+      });
+      break;
+    case BmmKernel::kAmxBlocks:
+      parallel_chunks(0, B, 1, [&](int64_t begin, int64_t end) {
+        ScratchVector<uint16_t> scratch(
+            static_cast<size_t>(avx512::batched_matmul_amx_blocks_scratch(args)));
+        avx512::batched_matmul_heads_amx_blocks(args, begin, end, scratch.data());
+      });
+      break;
+    case BmmKernel::kStream:
+      parallel_chunks(0, B * batched_matmul_col_items(N), 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> xf(static_cast<size_t>(M * K));
+        avx512::batched_matmul_items(args, begin, end, xf.data());
+      });
+      break;
   }
-  parallel_chunks(0, B * batched_matmul_col_items(N), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(static_cast<size_t>(M * K));
-    avx512::batched_matmul_items(args, begin, end, xf.data());
-  });
   return out;
 }
 
@@ -87,21 +101,26 @@ at::Tensor batched_matmul(const at::Tensor& x,  // [B, M, K]
   // copies (exact) and round the fp32 product once, as the native GEMM rounds its sums.
   const bool widen = x.scalar_type() != at::kFloat && !use_avx512_bf16();
   const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+  const int64_t M = x.size(1);
+  const bool amx = x.scalar_type() == at::kBFloat16 && !widen && use_amx_bf16();
+  if (batch_invariant() && amx) {
+    // Any number of rows on the tiles: both kernels give a row the same bits.
+    return run_kernel(x, w, M <= kBatchedMatmulAmxMaxRows ? BmmKernel::kAmx
+                                                          : BmmKernel::kAmxBlocks);
+  }
   if (!batch_invariant() && !widen && half) {
-    const int64_t M = x.size(1);
-    if (x.scalar_type() == at::kBFloat16 && M >= kBatchedMatmulAmxMinRows &&
-        M <= kBatchedMatmulAmxMaxRows && use_amx_bf16()) {
-      return few_rows(x, w, /*amx=*/true);
+    if (amx && M >= kBatchedMatmulAmxMinRows && M <= kBatchedMatmulAmxMaxRows) {
+      return run_kernel(x, w, BmmKernel::kAmx);
     }
     if (M <= kBatchedMatmulStreamRows) {
-      return few_rows(x, w, /*amx=*/false);
+      return run_kernel(x, w, BmmKernel::kStream);
     }
   }
   const at::Tensor w_mm = widen ? w.to(at::kFloat) : w;
   if (!batch_invariant()) {
     return widen ? at::bmm(x.to(at::kFloat), w_mm).to(x.scalar_type()) : at::bmm(x, w);
   }
-  const int64_t B = x.size(0), M = x.size(1), K = x.size(2), N = w.size(2);
+  const int64_t B = x.size(0), K = x.size(2), N = w.size(2);
   at::Tensor out = at::empty({B, M, N}, x.options());
   at::Tensor tile = at::zeros({B, kTileRows, K}, w_mm.options());
   for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {

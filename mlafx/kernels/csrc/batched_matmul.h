@@ -48,6 +48,12 @@ void batched_matmul_items(const BmmArgs& a, int64_t begin, int64_t end, float* x
 // uint16 elements per thread, 64-byte aligned (a ScratchVector).
 int64_t batched_matmul_amx_scratch(const BmmArgs& a);
 void batched_matmul_heads_amx(const BmmArgs& a, int64_t begin, int64_t end, uint16_t* scratch);
+// The AMX kernel for any number of rows (batch-invariant mode past 16 rows): each head's w
+// staged whole, the rows in blocks of 32; a row gets the bits batched_matmul_heads_amx gives
+// it. Scratch: batched_matmul_amx_blocks_scratch(a) uint16 elements per thread, 64-byte aligned.
+int64_t batched_matmul_amx_blocks_scratch(const BmmArgs& a);
+void batched_matmul_heads_amx_blocks(const BmmArgs& a, int64_t begin, int64_t end,
+                                     uint16_t* scratch);
 }  // namespace avx512
 
 }  // namespace mlafx

@@ -39,6 +39,7 @@ namespace {
 
 constexpr int64_t kChunk = 32;    // k per tile product (16 pairs)
 constexpr int64_t kCols = 32;     // output columns per staged pair of B tiles
+constexpr int64_t kRowBlock = 32;  // rows of x per block in the many-rows kernel
 
 // Tiles: 0/1 the accumulators (M rows x 16 fp32), 2 x's chunk (M rows x 32 bf16), 3/4 the
 // two staged weight tiles (16 pairs x 16 columns).
@@ -140,6 +141,93 @@ void run_head(const BmmArgs& a, int64_t b, const uint16_t* xs, int64_t k_pad, in
   }
 }
 
+// ---- many rows (batch-invariant prefill) -------------------------------------------------------
+//
+// Tiles: 0..3 the accumulators of a 32-row x 32-column block (rows 0-15 / 16-31 x columns
+// 0-15 / 16-31), 4/5 x's two 16-row tiles of a chunk, 6/7 the chunk's two staged B tiles.
+void configure_blocks() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.set(t, 16, 64);
+  }
+  cfg.load();
+}
+
+// Rows m0..m0+31 of head b's x (zeros past M and past K) as bf16 rows of k_pad.
+void stage_row_block(const BmmArgs& a, int64_t b, int64_t m0, int64_t k_pad, uint16_t* xs) {
+  const uint16_t* x = a.x + b * a.xs_b;
+  for (int64_t r = 0; r < kRowBlock; ++r) {
+    const int64_t m = m0 + r;
+    uint16_t* dst = xs + r * k_pad;
+    if (m >= a.M) {
+      for (int64_t k = 0; k < k_pad; k += 32) {
+        _mm512_store_si512(dst + k, _mm512_setzero_si512());
+      }
+      continue;
+    }
+    const uint16_t* row = x + m * a.xs_m;
+    if (a.xs_k == 1) {
+      for (int64_t k = 0; k < k_pad; k += 32) {
+        const __mmask32 mask = first_lanes32(std::max<int64_t>(a.K - k, 0));
+        _mm512_store_si512(dst + k, _mm512_maskz_loadu_epi16(mask, row + k));
+      }
+    } else {
+      for (int64_t k = 0; k < k_pad; ++k) {
+        dst[k] = k < a.K ? row[k * a.xs_k] : uint16_t{0};
+      }
+    }
+  }
+  compiler_barrier();
+}
+
+// Head b with many rows: all of w[b] staged once (chunk c's B tiles at c * 32 * n_pad), then
+// every 32 x 32 block of the output summed in four accumulator tiles over the chunks in order.
+// A row's sums are those of run_head (zero, then one product per chunk, k ascending; the
+// fp32 round trip through `sums` there is exact), so either kernel gives a row the same bits.
+void run_head_blocks(const BmmArgs& a, int64_t b, int64_t k_pad, int64_t n_pad,
+                     uint16_t* wstage, uint16_t* xs, float* block) {
+  const uint16_t* w = a.w + b * a.ws_b;
+  for (int64_t k0 = 0; k0 < k_pad; k0 += kChunk) {
+    stage_chunk(a, w, k0, n_pad, wstage + k0 * n_pad);
+  }
+  uint16_t* out = a.out + b * a.M * a.N;
+  constexpr int64_t kBlockStride = kCols * 4;  // bytes per row of `block`
+  for (int64_t m0 = 0; m0 < a.M; m0 += kRowBlock) {
+    stage_row_block(a, b, m0, k_pad, xs);
+    const int64_t rows = std::min(kRowBlock, a.M - m0);
+    for (int64_t n0 = 0; n0 < n_pad; n0 += kCols) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k0 = 0; k0 < k_pad; k0 += kChunk) {
+        const uint16_t* tiles = wstage + k0 * n_pad + n0 / 16 * 512;
+        _tile_loadd(4, xs + k0, k_pad * 2);
+        _tile_loadd(5, xs + 16 * k_pad + k0, k_pad * 2);
+        _tile_loadd(6, tiles, 64);
+        _tile_loadd(7, tiles + 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, block, kBlockStride);
+      _tile_stored(1, block + 16, kBlockStride);
+      _tile_stored(2, block + 16 * kCols, kBlockStride);
+      _tile_stored(3, block + 16 * kCols + 16, kBlockStride);
+      compiler_barrier();
+      const __mmask32 col_mask = first_lanes32(std::max<int64_t>(a.N - n0, 0));
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = block + r * kCols;
+        const __m512i rounded = _mm512_inserti64x4(
+            _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row))),
+            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row + 16)), 1);
+        _mm512_mask_storeu_epi16(out + (m0 + r) * a.N + n0, col_mask, rounded);
+      }
+    }
+  }
+}
+
 // A thread's scratch, each region from a 64-byte boundary: a chunk's B tiles (32 x n_pad
 // bf16), the head's rows of x (M x k_pad bf16) and the fp32 sums (M x n_pad).
 struct ScratchLayout {
@@ -160,7 +248,44 @@ ScratchLayout scratch_layout(const BmmArgs& a) {
   return L;
 }
 
+// The many-rows kernel's scratch: all of a head's w in B tiles (k_pad x n_pad bf16), a block
+// of x's rows (32 x k_pad bf16) and a block of sums (32 x 32 fp32).
+struct BlockScratchLayout {
+  int64_t k_pad = 0;
+  int64_t n_pad = 0;
+  size_t wstage = 0, rows = 0, block = 0, bytes = 0;
+};
+
+BlockScratchLayout block_scratch_layout(const BmmArgs& a) {
+  BlockScratchLayout L;
+  L.k_pad = (a.K + kChunk - 1) / kChunk * kChunk;
+  L.n_pad = (a.N + kCols - 1) / kCols * kCols;
+  WorkspaceCarver carve;
+  L.wstage = carve.take(static_cast<size_t>(L.k_pad * L.n_pad) * sizeof(uint16_t));
+  L.rows = carve.take(static_cast<size_t>(kRowBlock * L.k_pad) * sizeof(uint16_t));
+  L.block = carve.take(static_cast<size_t>(kRowBlock * kCols) * sizeof(float));
+  L.bytes = carve.total();
+  return L;
+}
+
 }  // namespace
+
+int64_t batched_matmul_amx_blocks_scratch(const BmmArgs& a) {
+  return static_cast<int64_t>(block_scratch_layout(a).bytes / sizeof(uint16_t));
+}
+
+void batched_matmul_heads_amx_blocks(const BmmArgs& a, int64_t begin, int64_t end,
+                                     uint16_t* scratch) {
+  const BlockScratchLayout L = block_scratch_layout(a);
+  uint16_t* wstage = at_offset<uint16_t>(scratch, L.wstage);
+  uint16_t* xs = at_offset<uint16_t>(scratch, L.rows);
+  float* block = at_offset<float>(scratch, L.block);
+  configure_blocks();
+  for (int64_t b = begin; b < end; ++b) {
+    run_head_blocks(a, b, L.k_pad, L.n_pad, wstage, xs, block);
+  }
+  _tile_release();
+}
 
 int64_t batched_matmul_amx_scratch(const BmmArgs& a) {
   return static_cast<int64_t>(scratch_layout(a).bytes / sizeof(uint16_t));
