@@ -29,6 +29,82 @@ constexpr int64_t kTileRows = 16;
 constexpr int64_t kChunk = 32;                       // columns of x per tile
 constexpr int64_t kTileElems = kTileRows * kChunk;   // bf16 elements in one B tile
 
+// K a multiple of 32: two blocks at a time. Tiles: 0/1 accumulators of row tile 0 against
+// blocks b and b + 1, 2/3 of row tile 1; 4/5 the row tiles' x chunks; 6/7 the two blocks'
+// weight chunks. Each weight and x tile load feeds two products.
+void configure_pairs(int64_t rows0, int64_t rows1) {
+  TileConfig cfg;
+  cfg.set(0, rows0, 64);
+  cfg.set(1, rows0, 64);
+  cfg.set(4, rows0, 64);
+  if (rows1 > 0) {
+    cfg.set(2, rows1, 64);
+    cfg.set(3, rows1, 64);
+    cfg.set(5, rows1, 64);
+  }
+  cfg.set(6, kTileRows, 64);
+  cfg.set(7, kTileRows, 64);
+  cfg.load();
+}
+
+// Up to 32 rows of x against blocks [block_begin, block_end), K = 32 * chunks: a row's sums
+// are rows_against_blocks' (zero, then the chunks in order), two blocks sharing x's loads.
+template <bool kTwoRowTiles>
+void rows_against_block_pairs(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t K2,
+                              int64_t chunks, int64_t block_begin, int64_t block_end,
+                              float* out, int64_t ldo) {
+  const int64_t xstride = 2 * ldx;
+  const int64_t ostride = 4 * ldo;
+  const uint16_t* x1 = x + kTileRows * ldx;
+  const int64_t block_elems = K2 * 2 * kTileRows;
+  int64_t b = block_begin;
+  for (; b + 2 <= block_end; b += 2) {
+    const uint16_t* w = wp + b * block_elems;
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (kTwoRowTiles) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      _tile_loadd(4, x + c * kChunk, xstride);
+      _tile_loadd(6, w + c * kTileElems, 64);
+      _tile_loadd(7, w + block_elems + c * kTileElems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (kTwoRowTiles) {
+        _tile_loadd(5, x1 + c * kChunk, xstride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    float* o = out + kTileRows * (b - block_begin);
+    _tile_stored(0, o, ostride);
+    _tile_stored(1, o + kTileRows, ostride);
+    if constexpr (kTwoRowTiles) {
+      _tile_stored(2, o + kTileRows * ldo, ostride);
+      _tile_stored(3, o + kTileRows * ldo + kTileRows, ostride);
+    }
+  }
+  if (b < block_end) {  // an odd last block
+    const uint16_t* w = wp + b * block_elems;
+    _tile_zero(0);
+    if constexpr (kTwoRowTiles) _tile_zero(2);
+    for (int64_t c = 0; c < chunks; ++c) {
+      _tile_loadd(4, x + c * kChunk, xstride);
+      _tile_loadd(6, w + c * kTileElems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (kTwoRowTiles) {
+        _tile_loadd(5, x1 + c * kChunk, xstride);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+    }
+    float* o = out + kTileRows * (b - block_begin);
+    _tile_stored(0, o, ostride);
+    if constexpr (kTwoRowTiles) _tile_stored(2, o + kTileRows * ldo, ostride);
+  }
+}
+
 // Tiles: 0/1 accumulators of row tiles 0/1 (rows 0..15, 16..31 of x); 2/3 their full x chunks;
 // 4 a full weight chunk; 5/6 the x tails and 7 the weight tail (the last K mod 32 columns).
 void configure(int64_t rows0, int64_t rows1, int64_t tail_pairs) {
@@ -211,6 +287,17 @@ void packed_dot_bf16_amx(const uint16_t* x, int64_t ldx, int64_t M, const uint16
     const int64_t rows = std::min<int64_t>(2 * kTileRows, M - m);
     const int64_t rows0 = std::min<int64_t>(kTileRows, rows);
     const int64_t rows1 = rows - rows0;
+    if (tail_pairs == 0) {
+      configure_pairs(rows0, rows1);
+      if (rows1 > 0) {
+        rows_against_block_pairs<true>(x + m * ldx, ldx, wp, K2, full_chunks, block_begin,
+                                       block_end, out + m * ldo, ldo);
+      } else {
+        rows_against_block_pairs<false>(x + m * ldx, ldx, wp, K2, full_chunks, block_begin,
+                                        block_end, out + m * ldo, ldo);
+      }
+      continue;
+    }
     configure(rows0, rows1, tail_pairs);
     if (rows1 > 0) {
       rows_against_blocks<true>(x + m * ldx, ldx, wp, K2, full_chunks, tail_pairs > 0,

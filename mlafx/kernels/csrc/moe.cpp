@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <type_traits>
 #include <vector>
 
@@ -151,7 +152,8 @@ at::Tensor group_rows(const Problem& pb, const Routing& routing, const ExpertGro
 // operands and the `dot` dispatch between rows_dot and the tile unit; split, each pass would
 // take all of them as arguments.
 template <typename scalar_t>
-void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const at::Tensor& x,
+void run_streaming(const Problem& pb, const Routing& routing,
+                   std::span<const ExpertGroup> streaming, bool tiles, const at::Tensor& x,
                    const at::Tensor& w13, const at::Tensor& w2) {
   constexpr int64_t parts = kParts<scalar_t>;
   const FloatKind kind = float_kind(x.scalar_type());
@@ -160,7 +162,7 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
   // The tokens of every streaming pair, in pair order: [P, D] contiguous.
   std::vector<int64_t> tokens;
   std::vector<int64_t> row_of_group;  // first row of each group in `xs` / `h`
-  for (const ExpertGroup& group : routing.streaming) {
+  for (const ExpertGroup& group : streaming) {
     row_of_group.push_back(static_cast<int64_t>(tokens.size()));
     for (int64_t j = group.begin; j < group.end; ++j) {
       tokens.push_back(routing.sorted_pairs[j] / pb.num_pairs_per_token);
@@ -178,7 +180,7 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
   const scalar_t* w2_data = w2.const_data_ptr<scalar_t>();
   const int64_t w13_expert = w13.stride(0), w13_row = w13.stride(1);
   const int64_t w2_expert = w2.stride(0), w2_row = w2.stride(1);
-  const int64_t num_groups = static_cast<int64_t>(routing.streaming.size());
+  const int64_t num_groups = static_cast<int64_t>(streaming.size());
   // On the tile unit each group's rows of x (then each part of its rows of h) are packed once
   // as a B operand of at most 16 rows.
   const int64_t packed_elems = std::max(D, I) * 16;  // K/2 pairs x 16 rows x 2
@@ -204,7 +206,7 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
     for (int64_t g = 0; g < num_groups; ++g) {
       avx512::pack_rows_for_tiles(
           reinterpret_cast<const uint16_t*>(xs_data + row_of_group[g] * D), D,
-          routing.streaming[g].size(), D, packed_rows(g, 0));
+          streaming[g].size(), D, packed_rows(g, 0));
     }
   }
 
@@ -215,7 +217,7 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
     for (int64_t i0 = begin; i0 < end; i0 += kRowsPerStep) {
       const int64_t i1 = std::min(end, i0 + kRowsPerStep);
       for (int64_t g = 0; g < num_groups; ++g) {
-        const ExpertGroup& group = routing.streaming[g];
+        const ExpertGroup& group = streaming[g];
         const scalar_t* rows = xs_data + row_of_group[g] * D;
         const scalar_t* w = w13_data + group.expert * w13_expert;
         dot(g, 0, rows, D, group.size(), D, w, w13_row, i0, i1, gate.data(), kRowsPerStep);
@@ -237,7 +239,7 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
       for (int64_t part = 0; part < parts; ++part) {
         avx512::pack_rows_for_tiles(
             reinterpret_cast<const uint16_t*>(h_data + (row_of_group[g] * parts + part) * I),
-            parts * I, routing.streaming[g].size(), I, packed_rows(g, part));
+            parts * I, streaming[g].size(), I, packed_rows(g, part));
       }
     }
   }
@@ -249,7 +251,7 @@ void run_streaming(const Problem& pb, const Routing& routing, bool tiles, const 
     for (int64_t d0 = begin; d0 < end; d0 += kRowsPerStep) {
       const int64_t d1 = std::min(end, d0 + kRowsPerStep);
       for (int64_t g = 0; g < num_groups; ++g) {
-        const ExpertGroup& group = routing.streaming[g];
+        const ExpertGroup& group = streaming[g];
         const scalar_t* w = w2_data + group.expert * w2_expert;
         const scalar_t* rows = h_data + row_of_group[g] * parts * I;
         if (tiles) {  // one packed operand per part
@@ -406,21 +408,51 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
   }
   const at::Tensor weights = topk_weights.contiguous();
   const bool tiles = streams_on_tiles(x.scalar_type(), D, I);
-  // batch-invariant mode: every pair streams (larger groups in pieces), one kernel for all
-  const Routing routing = group_by_expert(
-      id_data, T * k, E, max_streaming_pairs(x.scalar_type(), tiles), batch_invariant());
+  // Batch-invariant mode: every pair's products take one arithmetic and a token's terms are
+  // added in expert order. On the tile unit the streaming kernel (rows_dot_bf16_amx) and the
+  // blocked one (packed_dot_bf16_amx) give a row the same sums (the same pairs of products,
+  // k ascending, one accumulator from zero), so large groups still block, run in expert order
+  // with the streaming ones; elsewhere every pair streams (larger groups in pieces).
+  const bool invariant = batch_invariant();
+  const bool in_expert_order = invariant && tiles && use_avx512_bf16();
+  const Routing routing = group_by_expert(id_data, T * k, E,
+                                          max_streaming_pairs(x.scalar_type(), tiles),
+                                          invariant && !in_expert_order);
   const Problem pb{k, D, I, weights.const_data_ptr<float>(), sum.data_ptr<float>()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_experts", [&] {
-    if (!routing.streaming.empty()) {
-      run_streaming<scalar_t>(pb, routing, tiles, x, w13, w2);
-    }
-    // One expert at a time, each on all threads (parallel regions never nest).
-    for (const ExpertGroup& group : routing.gemm) {
+    auto run_group = [&](const ExpertGroup& group) {
       if (std::is_same_v<scalar_t, c10::BFloat16> && use_avx512_bf16()) {
         run_blocked_group(pb, routing, group, x, w13, w2);
       } else {
         run_gemm_group<scalar_t>(pb, routing, group, x, w13, w2);
       }
+    };
+    const std::span<const ExpertGroup> streaming(routing.streaming);
+    if (in_expert_order) {
+      // Runs of streaming groups between the blocked ones, each run in one streaming call.
+      size_t s = 0;
+      for (const ExpertGroup& group : routing.gemm) {
+        size_t e = s;
+        while (e < streaming.size() && streaming[e].expert < group.expert) {
+          ++e;
+        }
+        if (e > s) {
+          run_streaming<scalar_t>(pb, routing, streaming.subspan(s, e - s), tiles, x, w13, w2);
+        }
+        run_group(group);
+        s = e;
+      }
+      if (s < streaming.size()) {
+        run_streaming<scalar_t>(pb, routing, streaming.subspan(s), tiles, x, w13, w2);
+      }
+      return;
+    }
+    if (!streaming.empty()) {
+      run_streaming<scalar_t>(pb, routing, streaming, tiles, x, w13, w2);
+    }
+    // One expert at a time, each on all threads (parallel regions never nest).
+    for (const ExpertGroup& group : routing.gemm) {
+      run_group(group);
     }
   });
   return sum.to(x.scalar_type());
