@@ -529,6 +529,7 @@ BENCHMARKS = {
     "quant": "quant.py",
     "busy-machine": "busy_machine.py",
     "attention-path": "attention_path.py",
+    "invariant-cost": "invariant_cost.py",
 }
 
 

@@ -13,6 +13,11 @@
   the causal pairs only, ``H*T*(T+1)/2*(P+R+V)*2``. Baselines: torch SDPA with the rope key
   expanded (math kernel, V=128) and with V zero-padded to 192 (flash kernel).
 
+- the absorbed path of a causal prefill of one 1024-token sequence (what batch-invariant mode
+  runs for every span): ``mla_attention_paged`` (flops over the causal pairs,
+  ``H*T*(T+1)/2*(2*Lkv+R)*2``) and the two ``batched_matmul`` per-head products, each also in
+  batch-invariant mode (its cost).
+
 fp32 runs on the portable (scalar) path of the attention core, so fp32 cases are a subset.
 """
 
@@ -197,10 +202,63 @@ def varlen_rows(roofline, quick, threads) -> list[Row]:
     return rows
 
 
+def absorbed_prefill_rows(roofline, quick, threads) -> list[Row]:
+    """The absorbed path of a whole prefill, which batch-invariant mode gives every span: the
+    per-head product q_nope W_UK, ``mla_attention_paged`` over the causal pairs and out W_UV^T,
+    each in the default mode and in batch-invariant mode (its cost)."""
+    rows = []
+    n = 256 if quick else 1024
+    dtype = torch.bfloat16
+    blocks = n // 16
+    cache = torch.randn(1 + blocks, 16, W).to(dtype)
+    table = (1 + torch.arange(blocks, dtype=torch.int32))[None]
+    q = torch.randn(n, H, W).to(dtype)
+    kv_lens = torch.tensor([n], dtype=torch.int32)
+    qsl = torch.tensor([0, n], dtype=torch.int32)
+    positions = torch.arange(n)
+    pairs = n * (n + 1) // 2
+    products = {  # name -> (x [H, n, K], w [H, K, N])
+        f"batched_matmul q_nope W_UK T={n}": (torch.randn(H, n, P), torch.randn(H, P, LKV)),
+        f"batched_matmul out W_UV^T T={n}": (torch.randn(H, n, LKV), torch.randn(H, LKV, V)),
+    }
+    for t in threads:
+        torch.set_num_threads(t)
+        attend = partial(
+            K.mla_attention_paged, q, cache, table, kv_lens, qsl, positions, SCALE, LKV
+        )
+        cases = [("mla_attention_paged", f"absorbed causal prefill T={n}", attend,
+                  n * W * 2 + n * H * (W + LKV) * 2, H * pairs * (2 * LKV + R) * 2)]  # fmt: skip
+        for case, (x, w) in products.items():
+            x, w = x.to(dtype), w.to(dtype)
+            num_bytes = (x.numel() + w.numel() + H * n * w.shape[2]) * 2
+            flops = 2 * H * n * x.shape[2] * w.shape[2]
+            cases.append(("batched_matmul", case.split(" ", 1)[1], partial(K.batched_matmul, x, w),
+                          num_bytes, flops))  # fmt: skip
+        for op, case, call, num_bytes, flops in cases:
+            ours = median_seconds(call)
+            with K.batch_invariant_mode(True):
+                invariant = median_seconds(call)
+            rows.append(
+                make_row(
+                    roofline,
+                    op=op,
+                    case=case,
+                    dtype=dtype,
+                    threads=t,
+                    seconds=ours,
+                    num_bytes=num_bytes,
+                    flops=flops,
+                    baselines_s={"batch-invariant": invariant},
+                )
+            )
+    return rows
+
+
 def run(roofline: Roofline, *, quick: bool, threads: list[int]) -> list[Row]:
     with torch.inference_mode():
         return (
             decode_rows(roofline, quick, threads)
             + merge_rows(roofline, quick, threads)
             + varlen_rows(roofline, quick, threads)
+            + absorbed_prefill_rows(roofline, quick, threads)
         )

@@ -2,11 +2,13 @@
 // arithmetic that does not depend on the other rows of the call, so a request's results are
 // bitwise the same whatever else is in the batch and however its prompt is chunked:
 // - mla_attention_paged / varlen_attention split every group's keys at fixed positions
-//   (multiples of kInvariantSplitKeys, attention.cpp) and always merge the splits, whether or
-//   not the threads need the parallelism;
-// - moe_experts streams every expert group, larger ones in chunks of the streaming size, so
-//   each (token, choice) pair takes the same kernel whatever the pair count (moe.cpp);
-// - linear_packed streams the packed weight for any number of rows (gemm.cpp).
+//   (multiples of kInvariantSplitKeys, attention_driver.h) and always merge the splits,
+//   whether or not the threads need the parallelism; on AMX through their own core
+//   (attention_core_bf16_amx_pairs);
+// - moe_experts gives each (token, choice) pair one arithmetic whatever the pair count and
+//   adds a token's terms in expert order (moe.cpp);
+// - linear_packed streams the packed weight for any number of rows (gemm.cpp);
+// - batched_matmul: the tile kernels at every row count on AMX, else fixed 16-row tiles.
 // Off by default (the batch-dependent choices are the fast ones). Process-wide: the engine
 // turns it on for each step it runs (mlafx.kernels.batch_invariant_mode).
 #pragma once
