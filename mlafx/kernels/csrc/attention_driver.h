@@ -20,6 +20,7 @@
 
 #include "attention.h"
 #include "batch_invariant.h"
+#include "gemm_aten.h"
 #include "lse_merge.h"
 #include "parallel_chunks.h"
 #include "workspace_layout.h"
@@ -155,30 +156,24 @@ void merge_row(const float* const* all_parts, const float* const* all_lse, int64
   }
   weights.resize(n);
   *lse_dst = mlafx::lse_merge_weights(part_lse.data(), n, weights.data());
-  // sum_k w_k * part_k in k order; one and two parts (the common cases) as plain loops
+  // sum_k w_k * part_k in k order, part after part over the row (loops the compiler
+  // vectorises), then rounded to Out as c10 rounds (round_row)
+  thread_local std::vector<float> acc;
+  acc.resize(static_cast<size_t>(dv));
+  float* a = acc.data();
   const float w0 = weights[0];
   const float* p0 = parts[0];
-  if (n == 1) {
-    for (int64_t i = 0; i < dv; ++i) {
-      dst[i] = static_cast<Out>(w0 * p0[i]);
-    }
-    return;
-  }
-  if (n == 2) {
-    const float w1 = weights[1];
-    const float* p1 = parts[1];
-    for (int64_t i = 0; i < dv; ++i) {
-      dst[i] = static_cast<Out>(w0 * p0[i] + w1 * p1[i]);
-    }
-    return;
-  }
   for (int64_t i = 0; i < dv; ++i) {
-    float acc = w0 * p0[i];
-    for (int64_t k = 1; k < n; ++k) {
-      acc += weights[k] * parts[k][i];
-    }
-    dst[i] = static_cast<Out>(acc);
+    a[i] = w0 * p0[i];
   }
+  for (int64_t k = 1; k < n; ++k) {
+    const float wk = weights[k];
+    const float* pk = parts[k];
+    for (int64_t i = 0; i < dv; ++i) {
+      a[i] += wk * pk[i];
+    }
+  }
+  mlafx::round_row(a, dst, dv);
 }
 
 // merge_row for the output's dtype.
