@@ -82,22 +82,30 @@ void stage_chunk(const BmmArgs& a, const uint16_t* w, int64_t k0, int64_t n_pad,
   compiler_barrier();
 }
 
+// One row of x (K elements xs_k apart; null: a row of zeros) as k_pad bf16 at dst (64-byte
+// aligned), zeros past K.
+void stage_row(const BmmArgs& a, const uint16_t* row, int64_t k_pad, uint16_t* dst) {
+  if (row == nullptr) {
+    for (int64_t k = 0; k < k_pad; k += 32) {
+      _mm512_store_si512(dst + k, _mm512_setzero_si512());
+    }
+  } else if (a.xs_k == 1) {
+    for (int64_t k = 0; k < k_pad; k += 32) {
+      const __mmask32 mask = first_lanes32(std::max<int64_t>(a.K - k, 0));
+      _mm512_store_si512(dst + k, _mm512_maskz_loadu_epi16(mask, row + k));
+    }
+  } else {
+    for (int64_t k = 0; k < k_pad; ++k) {
+      dst[k] = k < a.K ? row[k * a.xs_k] : uint16_t{0};
+    }
+  }
+}
+
 // Head b's rows of x as bf16 rows of k_pad (zeros past K), 64 bytes aligned.
 void stage_rows(const BmmArgs& a, int64_t b, int64_t k_pad, uint16_t* xs) {
   const uint16_t* x = a.x + b * a.xs_b;
   for (int64_t m = 0; m < a.M; ++m) {
-    const uint16_t* row = x + m * a.xs_m;
-    uint16_t* dst = xs + m * k_pad;
-    if (a.xs_k == 1) {
-      for (int64_t k = 0; k < k_pad; k += 32) {
-        const __mmask32 mask = first_lanes32(std::max<int64_t>(a.K - k, 0));
-        _mm512_store_si512(dst + k, _mm512_maskz_loadu_epi16(mask, row + k));
-      }
-    } else {
-      for (int64_t k = 0; k < k_pad; ++k) {
-        dst[k] = k < a.K ? row[k * a.xs_k] : uint16_t{0};
-      }
-    }
+    stage_row(a, x + m * a.xs_m, k_pad, xs + m * k_pad);
   }
   compiler_barrier();
 }
@@ -158,24 +166,7 @@ void stage_row_block(const BmmArgs& a, int64_t b, int64_t m0, int64_t k_pad, uin
   const uint16_t* x = a.x + b * a.xs_b;
   for (int64_t r = 0; r < kRowBlock; ++r) {
     const int64_t m = m0 + r;
-    uint16_t* dst = xs + r * k_pad;
-    if (m >= a.M) {
-      for (int64_t k = 0; k < k_pad; k += 32) {
-        _mm512_store_si512(dst + k, _mm512_setzero_si512());
-      }
-      continue;
-    }
-    const uint16_t* row = x + m * a.xs_m;
-    if (a.xs_k == 1) {
-      for (int64_t k = 0; k < k_pad; k += 32) {
-        const __mmask32 mask = first_lanes32(std::max<int64_t>(a.K - k, 0));
-        _mm512_store_si512(dst + k, _mm512_maskz_loadu_epi16(mask, row + k));
-      }
-    } else {
-      for (int64_t k = 0; k < k_pad; ++k) {
-        dst[k] = k < a.K ? row[k * a.xs_k] : uint16_t{0};
-      }
-    }
+    stage_row(a, m < a.M ? x + m * a.xs_m : nullptr, k_pad, xs + r * k_pad);
   }
   compiler_barrier();
 }
