@@ -1,9 +1,9 @@
 """``LLM(batch_invariant=True)`` (issue 27): a request's tokens and logprobs are bitwise the
 same served alone, inside batches of 2-32 random others at any position, with its prompt
 chunked or whole, with its prefix from the cache, and from a KV store, in bf16 and fp32 on the
-compiled step, and under tensor parallelism. Prompts up to 700 tokens cross the attention
-kernel's fixed split size (512 keys) and the linears' streaming limit; batches put hundreds of
-(token, choice) pairs on each expert."""
+compiled step, under tensor parallelism and with int8/int4 weights. Prompts up to 700 tokens
+cross the attention kernel's fixed split size (512 keys) and the linears' streaming limit;
+batches put hundreds of (token, choice) pairs on each expert."""
 
 from __future__ import annotations
 
@@ -93,13 +93,22 @@ def test_tensor_parallel_ranks_are_invariant_too():
         llm.close()
 
 
-@pytest.mark.parametrize(
-    ("options", "match"),
-    [
-        (dict(compile=False), "needs compile=True"),
-        (dict(compile=True, quantization="int8"), "quantization"),
-    ],
-)
-def test_unsupported_combinations_are_refused(options, match):
-    with pytest.raises(ValueError, match=match):
-        tiny_llm(batch_invariant=True, **options)
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_on_load_is_invariant_too(quantization):
+    """int8/int4 weights (fp32 activations, where a sum's order would show): each target
+    alone, chunked at one set of boundaries, equals it inside a batch, chunked at others and
+    partly from the prefix cache."""
+    llm = invariant_llm("float32", quantization=quantization, max_num_batched_tokens=48)
+    alone = [results(llm.generate([p], PARAMS))[0] for p in TARGETS[:2]]
+    llm = invariant_llm("float32", quantization=quantization, max_num_batched_tokens=48)
+    others = random_prompts(8, 1, 200, seed=6)
+    batch = llm.generate(others[:3] + TARGETS[:2] + others[3:], PARAMS)
+    assert results(batch)[3:5] == alone
+    again = llm.generate(others[:1] + TARGETS[:2], PARAMS)
+    assert all(o.num_cached_tokens > 0 for o in again[1:])
+    assert results(again)[1:] == alone
+
+
+def test_the_reference_model_is_refused():
+    with pytest.raises(ValueError, match="needs compile=True"):
+        tiny_llm(batch_invariant=True, compile=False)

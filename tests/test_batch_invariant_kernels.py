@@ -2,9 +2,9 @@
 output is bitwise the same whatever else is in the call and however its sequence's queries are
 chunked. Attention: a sequence alone, inside a batch of others, as the last row of a prefill
 chunk and of a whole prefill, over contexts below and across the fixed split size; experts: a
-token alone and among hundreds (its experts past the streaming size); linears and the
-absorbed per-head products: a row alone and among more rows than any size threshold. Each ISA
-path in a child process."""
+token alone and among hundreds (its experts past the streaming size); linears (bf16/fp32 and
+int8/int4) and the absorbed per-head products: a row alone and among more rows than any size
+threshold. Each ISA path in a child process."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ from mlafx.kernels import (
     moe_experts,
     pack_linear_weight,
     set_batch_invariant,
+)
+from mlafx.kernels.quant_ops import (
+    linear_quantized,
+    moe_experts_quantized,
+    quantize_experts,
+    quantize_linear_weight,
 )
 from tests.attention_cases import paged_cache
 
@@ -127,6 +133,35 @@ def test_experts_row_is_the_same_in_any_call(invariant, dtype):
     for t in [0, 5, 40, 45, 299]:
         alone = moe_experts(x[t : t + 1], ids3[t : t + 1], weights3[t : t + 1], w13, w2)
         assert torch.equal(mixed[t : t + 1], alone), t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_row_is_the_same_in_any_call(invariant, dtype, bits):
+    """int8/int4 (quantize-on-load's formats): the linear's kernels (one row, row tiles, AMX-INT8
+    from 32-48 rows) give a row the same bits; the experts add a token's terms in expert order
+    (fp32 x, so that the sums' order would show)."""
+    gen = torch.Generator().manual_seed(bits)
+    M, K, N = 300, 320, 144
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    packed = quantize_linear_weight((torch.randn(N, K, generator=gen) / K**0.5).to(dtype), bits)
+    batch = linear_quantized(x, packed, N)
+    for m in [0, 1, 299]:
+        assert torch.equal(batch[m : m + 1], linear_quantized(x[m : m + 1], packed, N)), m
+    for rows in [8, 33, 64]:
+        assert torch.equal(batch[:rows], linear_quantized(x[:rows], packed, N)), rows
+    D, inter, E = 256, 192, 4
+    x = torch.randn(M, D, generator=gen).to(dtype)
+    w13 = quantize_experts((torch.randn(E, 2 * inter, D, generator=gen) / D**0.5).to(dtype), bits)
+    w2 = quantize_experts((torch.randn(E, D, inter, generator=gen) / inter**0.5).to(dtype), bits)
+    ids = torch.tensor([0, 2, 0]).repeat(M, 1)  # experts 1 and 3 rare: streamed between the
+    ids[::2, 2] = 2  # popular 0 and 2, which run on all threads one after the other
+    ids[::40, 2], ids[5::40, 0] = 3, 1
+    weights = torch.rand(M, 3, generator=gen)
+    mixed = moe_experts_quantized(x, ids, weights, w13, w2, inter)
+    for t in [0, 5, 40, 45, 299]:
+        one = (x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
+        assert torch.equal(mixed[t : t + 1], moe_experts_quantized(*one, w13, w2, inter)), t
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

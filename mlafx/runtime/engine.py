@@ -209,7 +209,7 @@ class LLM:
         ``serving``: ``ServingOptions`` fields. No tokenizer: prompts are token ids."""
         options = ServingOptions(**serving)
         if options.batch_invariant:
-            check_batch_invariant(compile, None)
+            check_batch_invariant(compile)
         source = transformers_source(
             hf_model, hf_overrides, options, compile, compile_cache_dir, allow_unlowered
         )

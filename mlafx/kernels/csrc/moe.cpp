@@ -427,28 +427,15 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
         run_gemm_group<scalar_t>(pb, routing, group, x, w13, w2);
       }
     };
-    const std::span<const ExpertGroup> streaming(routing.streaming);
+    auto stream = [&](std::span<const ExpertGroup> groups) {
+      run_streaming<scalar_t>(pb, routing, groups, tiles, x, w13, w2);
+    };
     if (in_expert_order) {
-      // Runs of streaming groups between the blocked ones, each run in one streaming call.
-      size_t s = 0;
-      for (const ExpertGroup& group : routing.gemm) {
-        size_t e = s;
-        while (e < streaming.size() && streaming[e].expert < group.expert) {
-          ++e;
-        }
-        if (e > s) {
-          run_streaming<scalar_t>(pb, routing, streaming.subspan(s, e - s), tiles, x, w13, w2);
-        }
-        run_group(group);
-        s = e;
-      }
-      if (s < streaming.size()) {
-        run_streaming<scalar_t>(pb, routing, streaming.subspan(s), tiles, x, w13, w2);
-      }
+      run_in_expert_order(routing, stream, run_group);
       return;
     }
-    if (!streaming.empty()) {
-      run_streaming<scalar_t>(pb, routing, streaming, tiles, x, w13, w2);
+    if (!routing.streaming.empty()) {
+      stream(routing.streaming);
     }
     // One expert at a time, each on all threads (parallel regions never nest).
     for (const ExpertGroup& group : routing.gemm) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 namespace mlafx {
@@ -56,6 +57,30 @@ inline Routing group_by_expert(const int64_t* ids, int64_t num_pairs, int64_t nu
     }
   }
   return routing;
+}
+
+// Every group of `routing` in expert order: each run of consecutive streaming groups between
+// two gemm groups as one call of stream(span of them), each gemm group as gemm(group). A kernel
+// that adds each pair's result into its token's fp32 sum then adds a token's terms in expert
+// order, whichever path each of its experts took (batch-invariant mode).
+template <typename Stream, typename Gemm>
+void run_in_expert_order(const Routing& routing, Stream&& stream, Gemm&& gemm) {
+  const std::span<const ExpertGroup> streaming(routing.streaming);
+  size_t s = 0;
+  for (const ExpertGroup& group : routing.gemm) {
+    size_t e = s;
+    while (e < streaming.size() && streaming[e].expert < group.expert) {
+      ++e;
+    }
+    if (e > s) {
+      stream(streaming.subspan(s, e - s));
+    }
+    gemm(group);
+    s = e;
+  }
+  if (s < streaming.size()) {
+    stream(streaming.subspan(s));
+  }
 }
 
 }  // namespace mlafx

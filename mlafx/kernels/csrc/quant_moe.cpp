@@ -34,8 +34,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <vector>
 
+#include "batch_invariant.h"
 #include "gemm_aten.h"
 #include "moe_activation.h"
 #include "moe_routing.h"
@@ -85,11 +87,12 @@ void add_weighted_rows(const Problem& pb, const Routing& routing, const ExpertGr
 }
 
 template <typename scalar_t>
-void run_streaming(const Problem& pb, const Routing& routing, const QuantizedActivations& xq,
+void run_streaming(const Problem& pb, const Routing& routing,
+                   std::span<const ExpertGroup> streaming, const QuantizedActivations& xq,
                    const at::Tensor& x) {
   const int64_t D = pb.hidden, I = pb.inter;
   std::vector<int64_t> tokens, row_of_group;
-  for (const ExpertGroup& group : routing.streaming) {
+  for (const ExpertGroup& group : streaming) {
     row_of_group.push_back(static_cast<int64_t>(tokens.size()));
     for (int64_t j = group.begin; j < group.end; ++j) {
       tokens.push_back(routing.sorted_pairs[j] / pb.num_pairs_per_token);
@@ -99,7 +102,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const QuantizedAct
   const QuantizedActivations xs = gather_rows(xq, tokens);  // [P] rows
   at::Tensor h = at::empty({P, I}, x.options());            // [P, I]
   scalar_t* h_data = h.data_ptr<scalar_t>();
-  const int64_t num_groups = static_cast<int64_t>(routing.streaming.size());
+  const int64_t num_groups = static_cast<int64_t>(streaming.size());
   const int64_t gd = quant_groups_of(pb.w13_format, D), gi = quant_groups_of(pb.w2_format, I);
 
   // Pass 1: threads split the 16-row blocks of gate rows i (and the up rows I + i with them).
@@ -110,7 +113,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const QuantizedAct
     std::vector<float> gate(static_cast<size_t>(kMaxStreamingPairs * ld_g));
     std::vector<float> up(static_cast<size_t>(kMaxStreamingPairs * ld_u));
     for (int64_t g = 0; g < num_groups; ++g) {
-      const ExpertGroup& group = routing.streaming[g];
+      const ExpertGroup& group = streaming[g];
       const QuantRows rows = xs.view(row_of_group[g]);
       const uint8_t* w = pb.w13 + group.expert * pb.w13_expert;
       quant_dot(pb.w13_format, rows, group.size(), w, gd, ib0, ib1, gate.data(), ld_g);
@@ -130,7 +133,7 @@ void run_streaming(const Problem& pb, const Routing& routing, const QuantizedAct
     const int64_t ld = (db1 - db0) * kRows;
     std::vector<float> y(static_cast<size_t>(kMaxStreamingPairs * ld));
     for (int64_t g = 0; g < num_groups; ++g) {
-      const ExpertGroup& group = routing.streaming[g];
+      const ExpertGroup& group = streaming[g];
       quant_dot(pb.w2_format, hq.view(row_of_group[g]), group.size(),
                 pb.w2 + group.expert * pb.w2_expert, gi, db0, db1, y.data(), ld);
       add_weighted_rows<scalar_t>(pb, routing, group, y.data(), ld, d0, d1);
@@ -253,15 +256,29 @@ at::Tensor moe_experts_quantized(const at::Tensor& x,             // [T, D]
                    weights.const_data_ptr<float>(),
                    sum.data_ptr<float>()};
   const QuantizedActivations xq = quantize_activations(x);  // once per call
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(),
-                                  "moe_experts_quantized", [&] {
-                                    if (!routing.streaming.empty()) {
-                                      run_streaming<scalar_t>(pb, routing, xq, x);
-                                    }
-                                    for (const ExpertGroup& group : routing.gemm) {
-                                      run_gemm_group<scalar_t>(pb, routing, group, xq, x);
-                                    }
-                                  });
+  // Batch-invariant mode: every kernel here gives a row the same bits (the products are exact
+  // integer sums, the per-group epilogue the same in each), so only the order a token's terms
+  // are added in could depend on the batch: expert order, as moe.cpp.
+  const bool in_expert_order = batch_invariant();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, x.scalar_type(), "moe_experts_quantized", [&] {
+        auto stream = [&](std::span<const ExpertGroup> groups) {
+          run_streaming<scalar_t>(pb, routing, groups, xq, x);
+        };
+        auto gemm = [&](const ExpertGroup& group) {
+          run_gemm_group<scalar_t>(pb, routing, group, xq, x);
+        };
+        if (in_expert_order) {
+          run_in_expert_order(routing, stream, gemm);
+          return;
+        }
+        if (!routing.streaming.empty()) {
+          stream(routing.streaming);
+        }
+        for (const ExpertGroup& group : routing.gemm) {
+          gemm(group);
+        }
+      });
   return sum.to(x.scalar_type());
 }
 
