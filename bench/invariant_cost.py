@@ -2,6 +2,7 @@
 batch-invariant mode, over the same engine and KV cache, steps interleaved.
 
     mlafx bench invariant-cost [--rounds 5] [--threads 2] [--model embedded]
+                               [--quantization int8|int4] [--only decode]
 
 Each round times every case once in each mode, one right after the other, so that a drift
 of the machine (a VM's memory or a neighbour) hits both alike; the figures are medians over
@@ -45,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians)")
     parser.add_argument("--threads", type=int, default=None, help="default: all cores")
     parser.add_argument("--model", choices=sorted(MODELS), default="embedded")
+    parser.add_argument("--quantization", choices=["int8", "int4"], default=None)
+    parser.add_argument("--only", default="", help="only the cases whose name contains this")
     return parser.parse_args(argv)
 
 
@@ -56,13 +59,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    blocks = max(blocks_needed(b, n + 1, BLOCK_SIZE) for _, _, b, n in CASES)
+    cases = [c for c in CASES if args.only in c[0]]
+    if not cases:
+        raise SystemExit(f"no case matches --only {args.only!r}")
+    blocks = max(blocks_needed(b, n + 1, BLOCK_SIZE) for _, _, b, n in cases)
     print(f"load average at start: {load_average()}", flush=True)
-    llm = mlafx_llm(args.model, num_kv_blocks=blocks, block_size=BLOCK_SIZE)
+    llm = mlafx_llm(
+        args.model, num_kv_blocks=blocks, block_size=BLOCK_SIZE, quantization=args.quantization
+    )
     default = MlafxStep("default", llm.step_fn, llm.kv_caches, llm.config, BLOCK_SIZE)
     default.fill_caches()
     invariant = dataclasses.replace(default, name="invariant", batch_invariant=True)
-    runs = {name: (case_run(default, *case), case_run(invariant, *case)) for name, *case in CASES}
+    runs = {name: (case_run(default, *case), case_run(invariant, *case)) for name, *case in cases}
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in runs}
     with torch.inference_mode():
         for pair in runs.values():  # warm-up: each shape once in each mode
@@ -75,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                     run()
                     times[name][mode].append(time.perf_counter() - start)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    print(f"model {args.model}, compiled, bf16, {torch.get_num_threads()} threads, "
+    weights = args.quantization or "bf16"
+    print(f"model {args.model}, compiled, {weights} weights, {torch.get_num_threads()} threads, "
           f"medians of {args.rounds} interleaved rounds")  # fmt: skip
     print(f"{'case':<22}{'default':>12}{'invariant':>12}{'ratio':>8}")
     for name, (base, inv) in times.items():
