@@ -264,6 +264,23 @@ def test_a_packed_checkpoint_compiles_to_the_reference_paths_function(name, tmp_
     assert compared >= len(PROMPTS) * NEW_TOKENS * 3 // 4, f"only {compared} positions compared"
 
 
+def test_a_packed_checkpoint_serves_batch_invariant(tmp_path):
+    """Batch-invariant mode over the published int4 bytes (repacked into the int4 kernels'
+    format): each prompt alone equals it inside a batch of the others, chunked elsewhere."""
+    write_packed_checkpoint("v3_channel_all", tmp_path)
+    options = dict(dtype="float32", block_size=4, num_kv_blocks=256, max_num_batched_tokens=16,
+                   progress=False, compile=True, batch_invariant=True)  # fmt: skip
+    params = mlafx.SamplingParams(max_tokens=NEW_TOKENS, logprobs=2, ignore_eos=True)
+
+    def results(outputs: list[mlafx.RequestOutput]) -> list[tuple]:
+        return [(tuple(o.outputs[0].token_ids), logprobs_of(o)) for o in outputs]
+
+    llm = mlafx.LLM(str(tmp_path), **options)
+    alone = [results(llm.generate([p], params))[0] for p in PROMPTS]
+    llm = mlafx.LLM(str(tmp_path), **options)
+    assert results(llm.generate(PROMPTS, params)) == alone
+
+
 def test_packed_modules_load_as_quantized_modules_from_their_bytes(tmp_path):
     write_packed_checkpoint("kimi_k2_experts", tmp_path)
     llm = mlafx.LLM(str(tmp_path), dtype="bfloat16", compile=False, progress=False,

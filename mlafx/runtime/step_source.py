@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlafx.config import ModelConfig, ServedConfig, check_fits_in_memory
 from mlafx.config.presets import PRESETS
+from mlafx.config.stored_quantization import PackedInt4
 from mlafx.models.loader import (
     DTYPES,
     LoadFormat,
@@ -116,12 +117,12 @@ def check_model_options(
     stored = None
     if build.load_format == "auto" and model not in PRESETS:
         stored = servable_stored_quantization(model)  # an unserved format fails here
-    if stored is not None and options.batch_invariant:
+    # compressed-tensors int4 is repacked into the int4 kernels' format, which are invariant
+    if stored is not None and options.batch_invariant and not isinstance(stored, PackedInt4):
         raise ValueError(
-            "batch_invariant is not supported with checkpoints stored quantized yet (block "
-            "FP8's kernels sum in another order at other row counts; GGUF and "
-            "compressed-tensors files are not checked yet); quantization='int8'/'int4' on "
-            "load is"
+            "batch_invariant is not supported with block-FP8 or GGUF checkpoints yet (FP8's "
+            "kernels sum in another order at other row counts; GGUF's are not checked yet); "
+            "compressed-tensors int4 checkpoints and quantization='int8'/'int4' on load are"
         )
     if tp != 1:
         check_shardable(cfg, tp, format_blocks(build.quantization, stored))
