@@ -22,6 +22,13 @@
 //     features as [16 even | 16 odd] and is put back in order once, at the end.
 //   P is kept to fp32 accuracy: a high and a low bf16 part (p = hi + lo to 2^-17 relative)
 //     enter as their own A tiles, so P.V uses the fp32 weights the softmax sum adds up.
+// Batch-invariant mode has its own twin of this core (attention_core_bf16_amx_pairs, the
+// kPairs instantiations): each block's values are staged once in key pairs (the B layout with
+// keys paired: 16 pairs x 16 features a tile), so P enters as plain [row, key] A tiles (hi and
+// lo) and P.V takes half the tile products, with the accumulators loaded and stored once per
+// block and 16 features. The staging costs decode ~11% (memory-bound, every block staged for
+// one row tile) and saves prefill ~13% (compute-bound, several row tiles per block); a row's
+// arithmetic depends on its own values alone in both cores.
 // The next block's rows are prefetched into L2 while this one computes, a slice per q.k chunk
 // (see CoreOps::prefetch): tile loads of cold rows keep few cache misses in flight, which
 // left decode at a third of the memory bandwidth when the cache was not already in L3.
