@@ -219,42 +219,26 @@ void run_head_blocks(const BmmArgs& a, int64_t b, int64_t k_pad, int64_t n_pad,
   }
 }
 
-// A thread's scratch, each region from a 64-byte boundary: a chunk's B tiles (32 x n_pad
-// bf16), the head's rows of x (M x k_pad bf16) and the fp32 sums (M x n_pad).
+// A thread's scratch, each region from a 64-byte boundary. The few-row kernel: a chunk's B
+// tiles (32 x n_pad bf16), the head's rows of x (M x k_pad bf16) and the fp32 sums (M x
+// n_pad). The many-rows kernel (`blocks`): all of a head's w in B tiles (k_pad x n_pad), a
+// block of x's rows (32 x k_pad) and a block of sums (32 x 32).
 struct ScratchLayout {
   int64_t k_pad = 0;
   int64_t n_pad = 0;
   size_t staging = 0, rows = 0, sums = 0, bytes = 0;
 };
 
-ScratchLayout scratch_layout(const BmmArgs& a) {
+ScratchLayout scratch_layout(const BmmArgs& a, bool blocks) {
   ScratchLayout L;
   L.k_pad = (a.K + kChunk - 1) / kChunk * kChunk;
   L.n_pad = (a.N + kCols - 1) / kCols * kCols;
+  const int64_t staged_k = blocks ? L.k_pad : kChunk;
+  const int64_t rows = blocks ? kRowBlock : a.M;
   WorkspaceCarver carve;
-  L.staging = carve.take(static_cast<size_t>(32 * L.n_pad) * sizeof(uint16_t));
-  L.rows = carve.take(static_cast<size_t>(a.M * L.k_pad) * sizeof(uint16_t));
-  L.sums = carve.take(static_cast<size_t>(a.M * L.n_pad) * sizeof(float));
-  L.bytes = carve.total();
-  return L;
-}
-
-// The many-rows kernel's scratch: all of a head's w in B tiles (k_pad x n_pad bf16), a block
-// of x's rows (32 x k_pad bf16) and a block of sums (32 x 32 fp32).
-struct BlockScratchLayout {
-  int64_t k_pad = 0;
-  int64_t n_pad = 0;
-  size_t wstage = 0, rows = 0, block = 0, bytes = 0;
-};
-
-BlockScratchLayout block_scratch_layout(const BmmArgs& a) {
-  BlockScratchLayout L;
-  L.k_pad = (a.K + kChunk - 1) / kChunk * kChunk;
-  L.n_pad = (a.N + kCols - 1) / kCols * kCols;
-  WorkspaceCarver carve;
-  L.wstage = carve.take(static_cast<size_t>(L.k_pad * L.n_pad) * sizeof(uint16_t));
-  L.rows = carve.take(static_cast<size_t>(kRowBlock * L.k_pad) * sizeof(uint16_t));
-  L.block = carve.take(static_cast<size_t>(kRowBlock * kCols) * sizeof(float));
+  L.staging = carve.take(static_cast<size_t>(staged_k * L.n_pad) * sizeof(uint16_t));
+  L.rows = carve.take(static_cast<size_t>(rows * L.k_pad) * sizeof(uint16_t));
+  L.sums = carve.take(static_cast<size_t>(rows * (blocks ? kCols : L.n_pad)) * sizeof(float));
   L.bytes = carve.total();
   return L;
 }
@@ -262,15 +246,15 @@ BlockScratchLayout block_scratch_layout(const BmmArgs& a) {
 }  // namespace
 
 int64_t batched_matmul_amx_blocks_scratch(const BmmArgs& a) {
-  return static_cast<int64_t>(block_scratch_layout(a).bytes / sizeof(uint16_t));
+  return static_cast<int64_t>(scratch_layout(a, /*blocks=*/true).bytes / sizeof(uint16_t));
 }
 
 void batched_matmul_heads_amx_blocks(const BmmArgs& a, int64_t begin, int64_t end,
                                      uint16_t* scratch) {
-  const BlockScratchLayout L = block_scratch_layout(a);
-  uint16_t* wstage = at_offset<uint16_t>(scratch, L.wstage);
+  const ScratchLayout L = scratch_layout(a, /*blocks=*/true);
+  uint16_t* wstage = at_offset<uint16_t>(scratch, L.staging);
   uint16_t* xs = at_offset<uint16_t>(scratch, L.rows);
-  float* block = at_offset<float>(scratch, L.block);
+  float* block = at_offset<float>(scratch, L.sums);
   configure_blocks();
   for (int64_t b = begin; b < end; ++b) {
     run_head_blocks(a, b, L.k_pad, L.n_pad, wstage, xs, block);
@@ -279,11 +263,11 @@ void batched_matmul_heads_amx_blocks(const BmmArgs& a, int64_t begin, int64_t en
 }
 
 int64_t batched_matmul_amx_scratch(const BmmArgs& a) {
-  return static_cast<int64_t>(scratch_layout(a).bytes / sizeof(uint16_t));
+  return static_cast<int64_t>(scratch_layout(a, /*blocks=*/false).bytes / sizeof(uint16_t));
 }
 
 void batched_matmul_heads_amx(const BmmArgs& a, int64_t begin, int64_t end, uint16_t* scratch) {
-  const ScratchLayout L = scratch_layout(a);
+  const ScratchLayout L = scratch_layout(a, /*blocks=*/false);
   uint16_t* staging = at_offset<uint16_t>(scratch, L.staging);
   uint16_t* xs = at_offset<uint16_t>(scratch, L.rows);
   float* sums = at_offset<float>(scratch, L.sums);
