@@ -38,6 +38,7 @@ from mlafx.kernels.extension import (
     parallel_num_threads,
     set_batch_invariant,
 )
+from mlafx.kernels.fp4_ops import moe_experts_fp4
 from mlafx.kernels.fp8_ops import fp8_cpu_isa, linear_fp8, moe_experts_fp8
 from mlafx.kernels.gemm_ops import (
     batched_matmul,
@@ -75,6 +76,7 @@ __all__ = [
     "mla_attention_paged",
     "mla_attention_sparse",
     "moe_experts",
+    "moe_experts_fp4",
     "moe_experts_fp8",
     "moe_experts_quantized",
     "pack_linear_weight",

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "fp4.h"
 #include "fp8.h"
 
 namespace mlafx {
@@ -70,6 +71,11 @@ bool fp8_uses_gemm(int64_t M, const Fp8Rows& x);
 // weight per thread); when fp8_uses_gemm the weight dequantized to fp32 (w * s rounded once) a
 // tile of rows at a time and an fp32 GEMM (at::mm).
 void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
+                     int64_t ldo);
+
+// The same over an FP4 weight (fp4.h): fp4_dot in parallel over its rows, or dequantized to fp32
+// and at::mm from kFp8GemmRows rows of x.
+void fp4_product_f32(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
                      int64_t ldo);
 
 // Weight rows per at::parallel_for grain: a multiple of 16 (the AMX kernel's tiles), ~64 KB of

@@ -18,6 +18,7 @@
 #include <cstdlib>
 
 #include "bf16_avx512.h"
+#include "block_dot_avx512.h"
 #include "cpu_features.h"
 #include "fp8.h"
 #include "fp8_vbmi_avx512.h"
@@ -41,21 +42,14 @@ inline __m512i e4m3_to_bf16(__m256i bytes) {
   return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(w, 8), _mm512_set1_epi16(-32768), 0xF8);
 }
 
-inline __m512 bf16_low_to_f32(__m512i v) {  // lanes 0..15 of 32 bf16 -> fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
-}
-inline __m512 bf16_high_to_f32(__m512i v) {  // lanes 16..31
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
-}
-
 // The weight rows of one tile: e4m3 bytes, or bf16 already converted (kConverted).
 template <int NR, bool kConverted>
 struct WeightRows {
   const uint8_t* fp8[NR];
   const uint16_t* bf16[NR];
-  const float* scale[NR];
+  const float* scales[NR];
 
+  float scale(int r, int64_t kb) const { return scales[r][kb]; }
   __m512i load(int r, int64_t k, __mmask32 mask) const {
     if constexpr (kConverted) {
       return _mm512_maskz_loadu_epi16(mask, bf16[r] + k);
@@ -65,83 +59,6 @@ struct WeightRows {
   }
 };
 
-// out[m * ldo + r] for m < MR, r < NR: bf16 rows of x, VDPBF16PS.
-template <int MR, int NR, bool kConverted>
-void tile_bf16(const Fp8Weight& W, const WeightRows<NR, kConverted>& rows, const uint16_t* x,
-               int64_t ldx, float* out, int64_t ldo) {
-  __m512 total[MR][NR];
-  for (int m = 0; m < MR; ++m) {
-    for (int r = 0; r < NR; ++r) total[m][r] = _mm512_setzero_ps();
-  }
-  for (int64_t k0 = 0, kb = 0; k0 < W.K; k0 += W.block_k, ++kb) {
-    const int64_t k1 = std::min(W.K, k0 + W.block_k);
-    __m512 acc[MR][NR];
-    for (int m = 0; m < MR; ++m) {
-      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
-    }
-    for (int64_t k = k0; k < k1; k += 32) {
-      const __mmask32 mask = first_lanes32(k1 - k);
-      __m512i wv[NR];
-      for (int r = 0; r < NR; ++r) wv[r] = rows.load(r, k, mask);
-      for (int m = 0; m < MR; ++m) {
-        const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
-        for (int r = 0; r < NR; ++r) {
-          acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
-        }
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      const __m512 s = _mm512_set1_ps(rows.scale[r][kb]);
-      for (int m = 0; m < MR; ++m) total[m][r] = _mm512_fmadd_ps(acc[m][r], s, total[m][r]);
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    for (int r = 0; r < NR; ++r) out[m * ldo + r] = _mm512_reduce_add_ps(total[m][r]);
-  }
-}
-
-// The same over fp32 rows of x: each 32 converted weights as two fp32 vectors.
-template <int MR, int NR>
-void tile_f32(const Fp8Weight& W, const WeightRows<NR, false>& rows, const float* x, int64_t ldx,
-              float* out, int64_t ldo) {
-  __m512 total[MR][NR];
-  for (int m = 0; m < MR; ++m) {
-    for (int r = 0; r < NR; ++r) total[m][r] = _mm512_setzero_ps();
-  }
-  for (int64_t k0 = 0, kb = 0; k0 < W.K; k0 += W.block_k, ++kb) {
-    const int64_t k1 = std::min(W.K, k0 + W.block_k);
-    __m512 acc[MR][NR];
-    for (int m = 0; m < MR; ++m) {
-      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
-    }
-    for (int64_t k = k0; k < k1; k += 32) {
-      const __mmask32 mask = first_lanes32(k1 - k);
-      __m512 lo[NR], hi[NR];
-      for (int r = 0; r < NR; ++r) {
-        const __m512i v = rows.load(r, k, mask);
-        lo[r] = bf16_low_to_f32(v);
-        hi[r] = bf16_high_to_f32(v);
-      }
-      for (int m = 0; m < MR; ++m) {
-        const float* xm = x + m * ldx + k;
-        const __m512 x_lo = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), xm);
-        const __m512 x_hi = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask >> 16), xm + 16);
-        for (int r = 0; r < NR; ++r) {
-          acc[m][r] = _mm512_fmadd_ps(x_lo, lo[r], acc[m][r]);
-          acc[m][r] = _mm512_fmadd_ps(x_hi, hi[r], acc[m][r]);
-        }
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      const __m512 s = _mm512_set1_ps(rows.scale[r][kb]);
-      for (int m = 0; m < MR; ++m) total[m][r] = _mm512_fmadd_ps(acc[m][r], s, total[m][r]);
-    }
-  }
-  for (int m = 0; m < MR; ++m) {
-    for (int r = 0; r < NR; ++r) out[m * ldo + r] = _mm512_reduce_add_ps(total[m][r]);
-  }
-}
-
 template <int NR, bool kConverted>
 WeightRows<NR, kConverted> rows_at(const Fp8Weight& W, int64_t n, const uint16_t* converted,
                                    int64_t ldc) {
@@ -149,7 +66,7 @@ WeightRows<NR, kConverted> rows_at(const Fp8Weight& W, int64_t n, const uint16_t
   for (int r = 0; r < NR; ++r) {
     rows.fp8[r] = W.w + (n + r) * W.ldw;
     rows.bf16[r] = converted == nullptr ? nullptr : converted + r * ldc;
-    rows.scale[r] = W.scale + ((n + r) / W.block_n) * W.lds;
+    rows.scales[r] = W.scale + ((n + r) / W.block_n) * W.lds;
   }
   return rows;
 }
@@ -160,10 +77,10 @@ void rows_direct_bf16(const Fp8Weight& W, const uint16_t* x, int64_t ldx, int64_
                       float* out, int64_t ldo) {
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
-    tile_bf16<MR, NR, false>(W, rows_at<NR, false>(W, n, nullptr, 0), x, ldx, out + n - n0, ldo);
+    tile_bf16<MR, NR>(rows_at<NR, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx, out + n - n0, ldo);
   }
   for (; n < n1; ++n) {
-    tile_bf16<MR, 1, false>(W, rows_at<1, false>(W, n, nullptr, 0), x, ldx, out + n - n0, ldo);
+    tile_bf16<MR, 1>(rows_at<1, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx, out + n - n0, ldo);
   }
 }
 
@@ -172,10 +89,10 @@ void rows_direct_f32(const Fp8Weight& W, const float* x, int64_t ldx, int64_t n0
                      float* out, int64_t ldo) {
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
-    tile_f32<MR, NR>(W, rows_at<NR, false>(W, n, nullptr, 0), x, ldx, out + n - n0, ldo);
+    tile_f32<MR, NR>(rows_at<NR, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx, out + n - n0, ldo);
   }
   for (; n < n1; ++n) {
-    tile_f32<MR, 1>(W, rows_at<1, false>(W, n, nullptr, 0), x, ldx, out + n - n0, ldo);
+    tile_f32<MR, 1>(rows_at<1, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx, out + n - n0, ldo);
   }
 }
 
@@ -197,7 +114,7 @@ void rows_bf16_few(int64_t mr, const Fp8Weight& W, const uint16_t* x, int64_t ld
 template <int MR>
 void converted_tile(const Fp8Weight& W, const WeightRows<1, true>& rows, const uint16_t* x,
                     int64_t ldx, float* out, int64_t ldo) {
-  tile_bf16<MR, 1, true>(W, rows, x, ldx, out, ldo);
+  tile_bf16<MR, 1>(rows, W.K, W.block_k, x, ldx, out, ldo);
 }
 
 constexpr int64_t kTileRows = 16;  // weight rows converted to bf16 at once (M > 8)

@@ -185,17 +185,37 @@ at::Tensor rows_f32(const Fp8Rows& x, int64_t M, int64_t K) {
   return bf16.to(at::kFloat);
 }
 
+void dequantize(const Fp8Weight& w, int64_t n0, int64_t n1, float* out) {
+  fp8_dequantize(w, n0, n1, out);
+}
+void dequantize(const Fp4Weight& w, int64_t n0, int64_t n1, float* out) {
+  fp4_dequantize(w, n0, n1, out);
+}
+void dot(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1, float* out,
+         int64_t ldo) {
+  fp8_dot(w, x, M, n0, n1, out, ldo);
+}
+void dot(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1, float* out,
+         int64_t ldo) {
+  fp4_dot(w, x, M, n0, n1, out, ldo);
+}
+int64_t row_bytes(const Fp8Weight& w) { return w.K; }
+int64_t row_bytes(const Fp4Weight& w) { return w.K / 2; }
+
 // Rows [n0, n1) of the dequantized weight, fp32 [n1 - n0, K].
-at::Tensor dequantized_rows(const Fp8Weight& w, int64_t n0, int64_t n1) {
+template <typename Weight>
+at::Tensor dequantized_rows(const Weight& w, int64_t n0, int64_t n1) {
   at::Tensor out = at::empty({n1 - n0, w.K}, at::kFloat);
   float* data = out.data_ptr<float>();
-  mlafx::parallel_chunks(n0, n1, std::max<int64_t>(1, fp8_row_grain(w.K) / 4), [&](int64_t a, int64_t b) {
-    fp8_dequantize(w, a, b, data + (a - n0) * w.K);
+  const int64_t grain = std::max<int64_t>(1, fp8_row_grain(row_bytes(w)) / 4);
+  mlafx::parallel_chunks(n0, n1, grain, [&](int64_t a, int64_t b) {
+    dequantize(w, a, b, data + (a - n0) * w.K);
   });
   return out;
 }
 
-void gemm_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
+template <typename Weight>
+void gemm_product_f32(const Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
                       int64_t ldo) {
   const at::Tensor x32 = rows_f32(x, M, w.K);
   const at::Tensor dst = at::from_blob(out, {M, N}, {ldo, 1}, at::kFloat);
@@ -203,6 +223,18 @@ void gemm_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N
     const int64_t n1 = std::min(N, n0 + kGemmTileRows);
     dst.narrow(1, n0, n1 - n0).copy_(at::mm(x32, dequantized_rows(w, n0, n1).t()));
   }
+}
+
+template <typename Weight>
+void product_f32(const Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
+                 int64_t ldo) {
+  if (fp8_uses_gemm(M, x)) {
+    gemm_product_f32(w, x, M, N, out, ldo);
+    return;
+  }
+  mlafx::parallel_chunks(0, N, fp8_row_grain(row_bytes(w)), [&](int64_t n0, int64_t n1) {
+    dot(w, x, M, n0, n1, out + n0, ldo);
+  });
 }
 
 }  // namespace
@@ -213,13 +245,12 @@ bool fp8_uses_gemm(int64_t M, const Fp8Rows& x) {
 
 void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
                      int64_t ldo) {
-  if (fp8_uses_gemm(M, x)) {
-    gemm_product_f32(w, x, M, N, out, ldo);
-    return;
-  }
-  mlafx::parallel_chunks(0, N, fp8_row_grain(w.K), [&](int64_t n0, int64_t n1) {
-    fp8_dot(w, x, M, n0, n1, out + n0, ldo);
-  });
+  product_f32(w, x, M, N, out, ldo);
+}
+
+void fp4_product_f32(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
+                     int64_t ldo) {
+  product_f32(w, x, M, N, out, ldo);
 }
 
 namespace {

@@ -2,18 +2,23 @@
 (``models/fp8.Fp8Linear``; here also the grouped ``o_a_proj``) and routed experts in FP4 e2m1
 with ue8m0 scales per 32 (``kernels/fp4_format.py``) or in block FP8.
 
-Eager, as the reference: each weight (an expert's, when the expert runs) is dequantized to
+The reference semantics: each weight (an expert's, when the expert runs) is dequantized to
 float32 and multiplied in float32, the result rounded once to x's dtype; the bytes stay as
-stored.
+stored. FP4 experts run on ``mlafx::moe_experts_fp4`` (the nibbles widened in registers; the
+same products, fp32 sums in another order); ``moe_experts_fp4_reference`` is their definition.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mlafx.kernels.fp4_format import dequantize_fp4
+from mlafx.kernels.fp4_ops import moe_experts_fp4
 from mlafx.kernels.fp8_format import dequantize_fp8, dequantize_gate_up
 from mlafx.models.deepseek_v4.attention import grouped_linear
 from mlafx.models.deepseek_v4.moe import clamped_swiglu
@@ -83,15 +88,57 @@ class StoredExperts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "fp4":
+            return moe_experts_fp4(x, ids, weights, *self.stacks(), self.limit)
         num_experts = self.gate_up_weight.shape[0]
-        check_expert_ids(ids, num_experts)
+        return stored_experts_reference(x, ids, weights, num_experts, self.dequantized, self.limit)
 
-        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
-            gate_up, down = self.dequantized(expert)
-            gate, up = F.linear(rows.float(), gate_up).to(x.dtype).chunk(2, dim=-1)
-            return F.linear(clamped_swiglu(gate, up, self.limit).float(), down).to(x.dtype)
-
-        return grouped_by_expert(x, ids, weights, num_experts, expert_mlp)
+    def stacks(self) -> tuple[torch.Tensor, ...]:
+        """(gate_up_weight, gate_up_scale, down_weight, down_scale)."""
+        return self.gate_up_weight, self.gate_up_scale, self.down_weight, self.down_scale
 
     def extra_repr(self) -> str:
         return f"fmt={self.fmt}, num_experts={self.gate_up_weight.shape[0]}, limit={self.limit}"
+
+
+def stored_experts_reference(
+    x: torch.Tensor,  # [T, D]
+    ids: torch.Tensor,  # [T, k] int64
+    weights: torch.Tensor,  # [T, k] float32
+    num_experts: int,
+    dequantized: Callable[[int], tuple[torch.Tensor, torch.Tensor]],  # e -> (gate_up, down) fp32
+    limit: float,
+) -> torch.Tensor:
+    """Routed experts over dequantized weights -> [T, D] in x's dtype: ``[g | u] = x @ W13^T``
+    in float32 rounded to x's dtype, ``h = clamped_swiglu(g, u)`` in x's dtype, ``y = h @ W2^T``
+    in float32 rounded, ``sum_j weights * y`` in float32, rounded once. An id outside
+    ``[0, E)`` raises ``IndexError``."""
+    check_expert_ids(ids, num_experts)
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up, down = dequantized(expert)
+        gate, up = F.linear(rows.float(), gate_up).to(x.dtype).chunk(2, dim=-1)
+        return F.linear(clamped_swiglu(gate, up, limit).float(), down).to(x.dtype)
+
+    return grouped_by_expert(x, ids, weights, num_experts, expert_mlp)
+
+
+def moe_experts_fp4_reference(
+    x: torch.Tensor,  # [T, D]
+    topk_ids: torch.Tensor,  # [T, k] int64
+    topk_weights: torch.Tensor,  # [T, k] float32
+    w13: torch.Tensor,  # [E, 2I, D/2] packed e2m1
+    w13_scale: torch.Tensor,  # [E, 2I, ceil(D/32)] ue8m0
+    w2: torch.Tensor,  # [E, D, I/2]
+    w2_scale: torch.Tensor,  # [E, D, ceil(I/32)]
+    swiglu_limit: float = math.inf,
+) -> torch.Tensor:
+    """The semantics of ``mlafx::moe_experts_fp4``: ``stored_experts_reference`` over the
+    dequantized FP4 stacks."""
+
+    def dequantized(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return dequantize_fp4(w13[e], w13_scale[e]), dequantize_fp4(w2[e], w2_scale[e])
+
+    return stored_experts_reference(
+        x, topk_ids, topk_weights, w13.shape[0], dequantized, swiglu_limit
+    )

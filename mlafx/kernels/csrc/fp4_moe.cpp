@@ -1,0 +1,163 @@
+// moe_experts_fp4: routed experts over FP4 expert weights as DeepSeek-V4 publishes them (fp4.h:
+// e2m1 nibbles and a ue8m0 scale per 32 along K), stacked per expert:
+//
+//   x:            [T, D]       bf16/fp16/fp32, last dim contiguous (rows may be strided)
+//   topk_ids:     [T, k]       int64 in [0, E); ids may repeat within a token
+//   topk_weights: [T, k]       float32
+//   w13:          [E, 2I, D/2] int8/uint8 packed nibbles: gate rows [0, I), then up rows
+//   w13_scale:    [E, 2I, ceil(D/32)] uint8 / float8_e8m0fnu
+//   w2:           [E, D, I/2]  int8/uint8 packed nibbles
+//   w2_scale:     [E, D, ceil(I/32)]
+//   swiglu_limit: float; inf for the plain SwiGLU
+//   out:          [T, D]       x's dtype, contiguous:
+//     [g | u] = x[t] @ W13[e]^T rounded to x's dtype; g = min(g, limit), u = clamp(u, -limit,
+//     limit); h = silu(g) * u in x's dtype (silu in fp32 of the rounded g, rounded, times u);
+//     y = h @ W2[e]^T rounded to x's dtype; every product exact per term with fp32 sums per 32
+//     (fp4.h); out[t] = sum_j topk_weights[t, j] * y in fp32, rounded once.
+//
+// The driver is expert_stacks.h's (shared with moe_experts_fp8): pairs grouped by expert, each
+// picked expert's bytes read once per call, never widened in memory but for a tile of rows at
+// a time (many rows of x).
+// Python reference: models.deepseek_v4.quantized.moe_experts_fp4_reference.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "expert_stacks.h"
+#include "fp4.h"
+#include "fp8_aten.h"
+
+namespace mlafx {
+namespace {
+
+bool is_byte(at::ScalarType t) {
+  return t == at::kByte || t == at::kChar || t == at::ScalarType::Float8_e8m0fnu;
+}
+
+// w [E, N, K/2] packed nibbles and scale [E, N, ceil(K/32)] ue8m0 bytes, both contiguous.
+void check_fp4_weight(const char* name, const at::Tensor& w, const at::Tensor& scale, int64_t E,
+                      int64_t N, int64_t K) {
+  TORCH_CHECK_TYPE(is_byte(w.scalar_type()) && is_byte(scale.scalar_type()),
+                   "moe_experts_fp4: ", name, " and its scale must be bytes (int8/uint8 nibbles, "
+                   "uint8/float8_e8m0fnu scales), got ", w.scalar_type(), " and ",
+                   scale.scalar_type());
+  TORCH_CHECK_VALUE(K % 2 == 0, "moe_experts_fp4: ", name, " packs two weights per byte, so its ",
+                    "K must be even, got ", K);
+  const int64_t groups = (K + kFp4Group - 1) / kFp4Group;
+  TORCH_CHECK_VALUE(w.dim() == 3 && w.size(0) == E && w.size(1) == N && w.size(2) == K / 2,
+                    "moe_experts_fp4: ", name, " must be [", E, ", ", N, ", ", K / 2, "], got ",
+                    w.sizes());
+  TORCH_CHECK_VALUE(scale.dim() == 3 && scale.size(0) == E && scale.size(1) == N &&
+                        scale.size(2) == groups,
+                    "moe_experts_fp4: ", name, "_scale must be [", E, ", ", N, ", ", groups,
+                    "], got ", scale.sizes());
+  TORCH_CHECK_VALUE(w.is_contiguous() && scale.is_contiguous(), "moe_experts_fp4: ", name,
+                    " and its scale must be contiguous");
+}
+
+// The FP4 stacks for expert_stacks.h (no AMX kernel: the bf16 widening feeds VDPBF16PS).
+struct Fp4Stacks {
+  int64_t num_pairs_per_token;  // k
+  int64_t hidden;               // D
+  int64_t inter;                // I
+  float swiglu_limit;
+  const uint8_t* w13;
+  const uint8_t* s13;
+  const uint8_t* w2;
+  const uint8_t* s2;
+  const float* weights;  // topk_weights, contiguous [T, k]
+  float* sum;            // fp32 [T, D]
+
+  static Fp4Weight view(const uint8_t* w, const uint8_t* scale, int64_t K) {
+    return Fp4Weight{w, K / 2, scale, (K + kFp4Group - 1) / kFp4Group, K};
+  }
+  Fp4Weight gate(int64_t e) const {
+    const Fp4Weight w = view(w13, s13, hidden);
+    return view(w.w + e * 2 * inter * w.ldw, w.scale + e * 2 * inter * w.lds, hidden);
+  }
+  Fp4Weight up(int64_t e) const {
+    Fp4Weight w = gate(e);
+    w.w += inter * w.ldw;
+    w.scale += inter * w.lds;
+    return w;
+  }
+  Fp4Weight down(int64_t e) const {
+    const Fp4Weight w = view(w2, s2, inter);
+    return view(w.w + e * hidden * w.ldw, w.scale + e * hidden * w.lds, inter);
+  }
+  void dot(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1, float* out,
+           int64_t ldo) const {
+    fp4_dot(w, x, M, n0, n1, out, ldo);
+  }
+  void product(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
+               int64_t ldo) const {
+    fp4_product_f32(w, x, M, N, out, ldo);
+  }
+  int64_t row_grain(int64_t K) const { return fp8_row_grain(K / 2); }
+  bool uses_tiles(int64_t) const { return false; }
+  void stage(Fp8Activations&) const {}
+  void stage_rows(const Fp8Rows&, int64_t, int64_t, uint16_t*) const {}
+};
+
+at::Tensor moe_experts_fp4(const at::Tensor& x,             // [T, D]
+                           const at::Tensor& topk_ids,      // [T, k] int64
+                           const at::Tensor& topk_weights,  // [T, k] float32
+                           const at::Tensor& w13,           // [E, 2I, D/2] nibbles
+                           const at::Tensor& w13_scale,     // [E, 2I, ceil(D/32)] ue8m0
+                           const at::Tensor& w2,            // [E, D, I/2] nibbles
+                           const at::Tensor& w2_scale,      // [E, D, ceil(I/32)] ue8m0
+                           double swiglu_limit) {
+  constexpr const char* op = "moe_experts_fp4";
+  expert_stacks::check_routing(op, x, topk_ids, topk_weights);
+  TORCH_CHECK_VALUE(w13.dim() == 3 && w2.dim() == 3,
+                    "moe_experts_fp4: w13 and w2 must be [num_experts, rows, bytes], got shapes ",
+                    w13.sizes(), " and ", w2.sizes());
+  TORCH_CHECK_VALUE(!std::isnan(swiglu_limit) && swiglu_limit > 0,
+                    "moe_experts_fp4: swiglu_limit must be positive (inf: no clamp), got ",
+                    swiglu_limit);
+  const int64_t D = x.size(1), E = w13.size(0), I = 2 * w2.size(2);
+  check_fp4_weight("w13", w13, w13_scale, E, 2 * I, D);
+  check_fp4_weight("w2", w2, w2_scale, E, D, I);
+  const int64_t T = x.size(0), k = topk_ids.size(1);
+  const at::Tensor ids = topk_ids.contiguous();
+  const int64_t* id_data = ids.const_data_ptr<int64_t>();
+  expert_stacks::check_ids(op, id_data, T * k, k, E);
+  at::Tensor sum = at::zeros({T, D}, x.options().dtype(at::kFloat));  // fp32 [T, D]
+  if (T * k == 0 || D == 0 || I == 0) {
+    return sum.to(x.scalar_type());
+  }
+  const at::Tensor weights = topk_weights.contiguous();
+  const Routing routing = group_by_expert(id_data, T * k, E, expert_stacks::kMaxStreamingPairs);
+  const Fp4Stacks pb{k,
+                     D,
+                     I,
+                     static_cast<float>(swiglu_limit),
+                     static_cast<const uint8_t*>(w13.const_data_ptr()),
+                     static_cast<const uint8_t*>(w13_scale.const_data_ptr()),
+                     static_cast<const uint8_t*>(w2.const_data_ptr()),
+                     static_cast<const uint8_t*>(w2_scale.const_data_ptr()),
+                     weights.const_data_ptr<float>(),
+                     sum.data_ptr<float>()};
+  const Fp8Activations xa = fp8_activations(x);  // once per call
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), op, [&] {
+    expert_stacks::run<scalar_t>(pb, routing, xa, x);
+  });
+  return sum.to(x.scalar_type());
+}
+
+}  // namespace
+}  // namespace mlafx
+
+TORCH_LIBRARY_FRAGMENT(mlafx, m) {
+  m.def(
+      "moe_experts_fp4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
+      "Tensor w13_scale, Tensor w2, Tensor w2_scale, float swiglu_limit) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mlafx, CPU, m) { m.impl("moe_experts_fp4", &mlafx::moe_experts_fp4); }
