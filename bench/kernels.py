@@ -30,6 +30,7 @@ CASE_MODULES: list[str] = [
     "bench.kernel_cases.quant_gemm",
     "bench.kernel_cases.kquant_gemm",
     "bench.kernel_cases.fp8_gemm",
+    "bench.kernel_cases.fp4_moe",
     "bench.kernel_cases.attention",
     "bench.kernel_cases.dsa",
     "bench.kernel_cases.v4_attention",

@@ -16,9 +16,10 @@
 //   void dot(const Weight&, const Fp8Rows&, M, n0, n1, float* out, ldo);  // single-threaded
 //   void product(const Weight&, const Fp8Rows&, M, N, float* out, ldo);   // all threads
 //   int64_t row_grain(int64_t K);                // weight rows per parallel chunk
-//   bool uses_tiles(int64_t M);                  // stage M rows for an AMX kernel
-//   void stage(Fp8Activations&);                 // stage them (when uses_tiles)
+//   bool uses_tiles(int64_t M);                  // stage M bf16 rows in the kernel's order
+//   at::Tensor empty_staging(int64_t M, int64_t K);  // storage for them, 64-byte aligned
 //   void stage_rows(const Fp8Rows&, int64_t M, int64_t K, uint16_t* tiles);
+//   void stage(Fp8Activations&);                 // an expert's rows for product()
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -72,7 +73,7 @@ void add_weighted_rows(const Stacks& pb, const Routing& routing, const ExpertGro
 }
 
 // Each group's rows of `a` (from row_of_group[g] on); those of a group that uses_tiles are
-// staged for the AMX kernel, threads splitting the groups, into tiles that `keep` owns.
+// staged in the kernel's order, threads splitting the groups, into tiles that `keep` owns.
 template <typename Stacks>
 std::vector<Fp8Rows> group_rows(const Stacks& pb, const Fp8Activations& a,
                                 const std::vector<int64_t>& row_of_group,
@@ -83,7 +84,7 @@ std::vector<Fp8Rows> group_rows(const Stacks& pb, const Fp8Activations& a,
   for (size_t g = 0; g < groups.size(); ++g) {
     rows.push_back(a.view(row_of_group[g]));
     if (a.is_bf16 && a.cols > 0 && pb.uses_tiles(groups[g].size())) {
-      keep.push_back(empty_tiles(groups[g].size(), a.cols));
+      keep.push_back(pb.empty_staging(groups[g].size(), a.cols));
       auto* tiles = reinterpret_cast<uint16_t*>(keep.back().data_ptr<int16_t>());
       rows.back().tiles = tiles;
       to_stage.emplace_back(static_cast<int64_t>(g), tiles);

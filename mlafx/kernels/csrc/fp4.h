@@ -54,4 +54,12 @@ void fp4_dot_f32(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, in
                  float* out, int64_t ldo);
 void fp4_dequantize(const Fp4Weight& w, int64_t n0, int64_t n1, float* out);
 
+// The few-rows kernel's order of x (fp4_dot_avx512.cpp): per 128 columns, element 4i + j at
+// 32j + i; rows fp4_staged_ld(K) elements apart, zeros past K. fp4_dot takes M <= 8 bf16 rows
+// staged so in x.tiles (else stages them itself, per call).
+int64_t fp4_staged_ld(int64_t K);
+// Stages M bf16 rows of x (row stride ldx, K columns) at out (M * fp4_staged_ld(K) elements,
+// 64-byte aligned).
+void fp4_stage_rows(const uint16_t* x, int64_t ldx, int64_t K, int64_t M, uint16_t* out);
+
 }  // namespace mlafx::avx512

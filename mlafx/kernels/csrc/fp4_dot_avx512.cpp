@@ -3,17 +3,26 @@
 // against fp32 activations, in the register tiles of block_dot_avx512.h with blocks of 32
 // columns (one ue8m0 scale each, applied once per group by one FMA).
 //
-// e2m1 -> bf16 (exact): 16 bytes zero-extended to 16 dwords d; (d | d << 12) & 0x000F000F puts
-// byte j's low nibble (element 2j) in word 2j and its high nibble in word 2j + 1; one VPERMW
-// looks the 16 values up as bf16 bits: 4 instructions per 32 weights.
+// Few rows of x (decode, M <= 8; the bytes are the limit): 128 weights (64 bytes) at a time, read
+// as 32 words of 4 nibbles. VPERMW looks a word's low 5 bits up in a 32-entry table (the 16 bf16
+// e2m1 values twice), so the word itself decodes nibble 0 and the word shifted by 4, 8 and 12
+// nibbles 1-3: 4 lookups and 3 shifts per 128 weights, vector j holding elements 4i + j of the
+// chunk (i = 0..31). The rows of x are staged in that order once (fp4_stage_rows). VDPBF16PS
+// sums lane pairs i = 2l, 2l + 1, both in group l / 4 of the chunk's 4, so one FMA per chunk
+// scales the 4 vectors' fp32 sums by [s0 x4, s1 x4, s2 x4, s3 x4] (the 4 scale bytes as fp32
+// 2^(s - 127): a broadcast from memory, a byte shuffle and a shift).
 //
-// Few rows of x (decode) take several weight rows at once for independent accumulator chains;
-// many rows (prefill) widen a tile of weight rows to a bf16 scratch once and reuse it for every
-// group of 8 rows of x.
+// Many rows (prefill, 9-63 rows; from 64 the product dequantizes to bf16 for a GEMM): a tile
+// of weight rows widened to a bf16 scratch once (16 bytes zero-extended to 16 dwords d,
+// (d | d << 12) & 0x000F000F puts element 2j in word 2j and 2j + 1 in word 2j + 1, one VPERMW),
+// reused for every group of 8 rows of x in the register tiles of block_dot_avx512.h. fp32 x
+// takes those tiles too (two FMAs per 32 widened weights).
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "bf16_avx512.h"
@@ -78,19 +87,6 @@ WeightRows<NR, kConverted> rows_at(const Fp4Weight& W, int64_t n, const uint16_t
   return rows;
 }
 
-// Rows [0, MR) of x against weight rows [n0, n1), NR at a time, then one at a time.
-template <int MR, int NR>
-void rows_direct_bf16(const Fp4Weight& W, const uint16_t* x, int64_t ldx, int64_t n0, int64_t n1,
-                      float* out, int64_t ldo) {
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) {
-    tile_bf16<MR, NR>(rows_at<NR, false>(W, n, nullptr), W.K, kFp4Group, x, ldx, out + n - n0, ldo);
-  }
-  for (; n < n1; ++n) {
-    tile_bf16<MR, 1>(rows_at<1, false>(W, n, nullptr), W.K, kFp4Group, x, ldx, out + n - n0, ldo);
-  }
-}
-
 template <int MR, int NR>
 void rows_direct_f32(const Fp4Weight& W, const float* x, int64_t ldx, int64_t n0, int64_t n1,
                      float* out, int64_t ldo) {
@@ -103,18 +99,116 @@ void rows_direct_f32(const Fp4Weight& W, const float* x, int64_t ldx, int64_t n0
   }
 }
 
-// M <= 8 rows of x, the tile shape chosen at run time.
-void rows_bf16_few(int64_t mr, const Fp4Weight& W, const uint16_t* x, int64_t ldx, int64_t n0,
-                   int64_t n1, float* out, int64_t ldo) {
-  switch (mr) {
-    case 1: return rows_direct_bf16<1, 4>(W, x, ldx, n0, n1, out, ldo);
-    case 2: return rows_direct_bf16<2, 4>(W, x, ldx, n0, n1, out, ldo);
-    case 3: return rows_direct_bf16<3, 2>(W, x, ldx, n0, n1, out, ldo);
-    case 4: return rows_direct_bf16<4, 2>(W, x, ldx, n0, n1, out, ldo);
-    case 5: return rows_direct_bf16<5, 1>(W, x, ldx, n0, n1, out, ldo);
-    case 6: return rows_direct_bf16<6, 1>(W, x, ldx, n0, n1, out, ldo);
-    case 7: return rows_direct_bf16<7, 1>(W, x, ldx, n0, n1, out, ldo);
-    default: return rows_direct_bf16<8, 1>(W, x, ldx, n0, n1, out, ldo);
+constexpr int64_t kChunk = 128;  // weights a few-rows step decodes (64 bytes of a row)
+
+// The bf16 bits of the 16 e2m1 codes (0, 0.5, 1, 1.5, 2, 3, 4, 6, -0, ..., -6), twice: VPERMW
+// reads 5 index bits, and bit 4 is the next nibble's lowest.
+inline __m512i e2m1_table32() {
+  alignas(64) static const uint16_t table[32] = {
+      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,  //
+      0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,  //
+      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,  //
+      0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+  return _mm512_load_si512(table);
+}
+
+inline bool has_zero_byte(uint32_t v) { return ((v - 0x01010101u) & ~v & 0x80808080u) != 0; }
+
+// The fp32 scales of a chunk's 4 groups, lane l holding group l / 4's: 2^(s - 127) is s << 23
+// as float bits but for s = 0 (2^-127, subnormal) and 255 (NaN). `groups` left in the row;
+// missing ones get 1.0 (their products are zero).
+inline __m512 chunk_scales(const uint8_t* scale, int64_t groups) {
+  uint32_t bytes = 0x7F7F7F7Fu;
+  if (__builtin_expect(groups >= 4, 1)) {
+    std::memcpy(&bytes, scale, 4);  // one load (a byte-wise copy stalls the dword read)
+  } else {
+    std::memcpy(&bytes, scale, static_cast<size_t>(groups));
+  }
+  // byte L of the dword into every dword of 128-bit lane L
+  constexpr int kLane0 = static_cast<int>(0xFFFFFF00u), kLane1 = kLane0 | 1,
+                kLane2 = kLane0 | 2, kLane3 = kLane0 | 3;  // byte L, then three zeroing indices
+  const __m512i spread =
+      _mm512_set_epi32(kLane3, kLane3, kLane3, kLane3, kLane2, kLane2, kLane2, kLane2, kLane1,
+                       kLane1, kLane1, kLane1, kLane0, kLane0, kLane0, kLane0);
+  const __m512i s = _mm512_shuffle_epi8(_mm512_set1_epi32(static_cast<int>(bytes)), spread);
+  __m512i bits = _mm512_slli_epi32(s, 23);
+  if (__builtin_expect(has_zero_byte(bytes) || has_zero_byte(~bytes), 0)) {
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_setzero_si512()),
+                                 _mm512_set1_epi32(0x00400000));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(s, _mm512_set1_epi32(255)),
+                                 _mm512_set1_epi32(0x7FC00000));
+  }
+  return _mm512_castsi512_ps(bits);
+}
+
+// out[m * ldo + r] for m < MR, r < NR: weight rows n.. against MR staged rows of x (xp, row
+// stride ldp; fp4_stage_rows' order).
+template <int MR, int NR>
+void chunk_tile(const Fp4Weight& W, int64_t n, const uint16_t* xp, int64_t ldp, float* out,
+                int64_t ldo) {
+  const __m512i table = e2m1_table32();
+  const uint8_t* w[NR];
+  const uint8_t* scale[NR];
+  for (int r = 0; r < NR; ++r) {
+    w[r] = W.w + (n + r) * W.ldw;
+    scale[r] = W.scale + (n + r) * W.lds;
+  }
+  const int64_t groups = (W.K + kFp4Group - 1) / kFp4Group;
+  __m512 total[MR][NR];
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) total[m][r] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < W.K; k += kChunk) {
+    const int64_t bytes = std::min<int64_t>(64, (W.K - k) / 2);
+    const __mmask64 mask = bytes == 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
+    for (int r = 0; r < NR; ++r) {
+      // the same line of the rows the next tile reads, into L2 (as fp8_dot_avx512.cpp's VBMI
+      // tiles): a row is half a 4 KB page or less, and the hardware prefetchers restart at
+      // every page
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + NR * W.ldw + k / 2), _MM_HINT_T1);
+      const __m512i packed = _mm512_maskz_loadu_epi8(mask, w[r] + k / 2);
+      const __m512i v0 = _mm512_permutexvar_epi16(packed, table);
+      const __m512i v1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(packed, 4), table);
+      const __m512i v2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(packed, 8), table);
+      const __m512i v3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(packed, 12), table);
+      const __m512 s = chunk_scales(scale[r] + k / kFp4Group, groups - k / kFp4Group);
+      for (int m = 0; m < MR; ++m) {
+        const uint16_t* xm = xp + m * ldp + k;
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_load_si512(xm),
+                                    (__m512bh)v0);
+        __m512 b = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_load_si512(xm + 64),
+                                    (__m512bh)v2);
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_load_si512(xm + 32), (__m512bh)v1);
+        b = _mm512_dpbf16_ps(b, (__m512bh)_mm512_load_si512(xm + 96), (__m512bh)v3);
+        total[m][r] = _mm512_fmadd_ps(_mm512_add_ps(a, b), s, total[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) out[m * ldo + r] = _mm512_reduce_add_ps(total[m][r]);
+  }
+}
+
+template <int MR, int NR>
+void rows_chunked(const Fp4Weight& W, const uint16_t* xp, int64_t ldp, int64_t n0, int64_t n1,
+                  float* out, int64_t ldo) {
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) chunk_tile<MR, NR>(W, n, xp, ldp, out + n - n0, ldo);
+  for (; n < n1; ++n) chunk_tile<MR, 1>(W, n, xp, ldp, out + n - n0, ldo);
+}
+
+// M <= 8 staged rows of x, the tile shape chosen at run time.
+void rows_few(int64_t M, const Fp4Weight& W, const uint16_t* xp, int64_t ldp, int64_t n0,
+              int64_t n1, float* out, int64_t ldo) {
+  switch (M) {
+    case 1: return rows_chunked<1, 4>(W, xp, ldp, n0, n1, out, ldo);
+    case 2: return rows_chunked<2, 4>(W, xp, ldp, n0, n1, out, ldo);
+    case 3: return rows_chunked<3, 2>(W, xp, ldp, n0, n1, out, ldo);
+    case 4: return rows_chunked<4, 2>(W, xp, ldp, n0, n1, out, ldo);
+    case 5: return rows_chunked<5, 1>(W, xp, ldp, n0, n1, out, ldo);
+    case 6: return rows_chunked<6, 1>(W, xp, ldp, n0, n1, out, ldo);
+    case 7: return rows_chunked<7, 1>(W, xp, ldp, n0, n1, out, ldo);
+    default: return rows_chunked<8, 1>(W, xp, ldp, n0, n1, out, ldo);
   }
 }
 
@@ -130,12 +224,60 @@ void widen_row(const Fp4Weight& W, int64_t n, uint16_t* dst) {
 
 constexpr int64_t kTileRows = 16;  // weight rows widened to bf16 at once (M > 8)
 
+// 64-byte aligned bf16 storage (the staged rows' loads are aligned).
+struct AlignedRows {
+  explicit AlignedRows(size_t count)
+      : ptr(static_cast<uint16_t*>(std::aligned_alloc(64, (count * 2 + 63) / 64 * 64))) {}
+  ~AlignedRows() { std::free(ptr); }
+  AlignedRows(const AlignedRows&) = delete;
+  AlignedRows& operator=(const AlignedRows&) = delete;
+  uint16_t* data() const { return ptr; }
+  uint16_t* ptr;
+};
+
 }  // namespace
+
+int64_t fp4_staged_ld(int64_t K) {
+  int64_t ld = (K + kChunk - 1) / kChunk * kChunk;
+  return (ld * 2) % 4096 == 0 ? ld + 64 : ld;  // rows 4 KB apart share L1 sets
+}
+
+void fp4_stage_rows(const uint16_t* x, int64_t ldx, int64_t K, int64_t M, uint16_t* out) {
+  const int64_t ld = fp4_staged_ld(K);
+  alignas(64) uint16_t index[4][32] = {};
+  for (int j = 0; j < 4; ++j) {
+    for (int i = 0; i < 16; ++i) index[j][i] = static_cast<uint16_t>(4 * i + j);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; k += kChunk) {
+      const uint16_t* src = x + m * ldx + k;
+      __m512i part[4];
+      for (int p = 0; p < 4; ++p) {
+        const int64_t at = k + 32 * p;
+        part[p] = _mm512_maskz_loadu_epi16(at < K ? first_lanes32(K - at) : 0, src + 32 * p);
+      }
+      for (int j = 0; j < 4; ++j) {
+        const __m512i idx = _mm512_load_si512(index[j]);
+        const __m512i low = _mm512_permutex2var_epi16(part[0], idx, part[1]);   // i = 0..15
+        const __m512i high = _mm512_permutex2var_epi16(part[2], idx, part[3]);  // i = 16..31
+        _mm512_store_si512(out + m * ld + k + 32 * j,
+                           _mm512_inserti64x4(low, _mm512_castsi512_si256(high), 1));
+      }
+    }
+  }
+}
 
 void fp4_dot_bf16(const Fp4Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
                   float* out, int64_t ldo) {
   if (M <= 8) {
-    rows_bf16_few(M, W, x.bf16, x.ld, n0, n1, out, ldo);
+    const int64_t ldp = fp4_staged_ld(W.K);
+    if (x.tiles != nullptr) {
+      rows_few(M, W, x.tiles, ldp, n0, n1, out, ldo);
+      return;
+    }
+    AlignedRows staged(static_cast<size_t>(M * ldp));
+    fp4_stage_rows(x.bf16, x.ld, W.K, M, staged.data());
+    rows_few(M, W, staged.data(), ldp, n0, n1, out, ldo);
     return;
   }
   // rows a whole number of lines apart but not 4 KB apart (L1 set conflicts)

@@ -21,6 +21,7 @@
 // Python reference: models.deepseek_v4.quantized.moe_experts_fp4_reference.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -29,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_features.h"
 #include "expert_stacks.h"
 #include "fp4.h"
 #include "fp8_aten.h"
@@ -61,7 +63,7 @@ void check_fp4_weight(const char* name, const at::Tensor& w, const at::Tensor& s
                     " and its scale must be contiguous");
 }
 
-// The FP4 stacks for expert_stacks.h (no AMX kernel: the bf16 widening feeds VDPBF16PS).
+// The FP4 stacks for expert_stacks.h.
 struct Fp4Stacks {
   int64_t num_pairs_per_token;  // k
   int64_t hidden;               // D
@@ -100,9 +102,15 @@ struct Fp4Stacks {
     fp4_product_f32(w, x, M, N, out, ldo);
   }
   int64_t row_grain(int64_t K) const { return fp8_row_grain(K / 2); }
-  bool uses_tiles(int64_t) const { return false; }
-  void stage(Fp8Activations&) const {}
-  void stage_rows(const Fp8Rows&, int64_t, int64_t, uint16_t*) const {}
+  // few rows (the streaming groups) staged once per call in the AVX-512 kernel's order
+  bool uses_tiles(int64_t M) const { return M <= 8 && use_avx512_bf16(); }
+  at::Tensor empty_staging(int64_t M, int64_t K) const {
+    return at::empty({M * avx512::fp4_staged_ld(K)}, at::kShort);  // 64-byte aligned (ATen)
+  }
+  void stage_rows(const Fp8Rows& rows, int64_t M, int64_t K, uint16_t* tiles) const {
+    avx512::fp4_stage_rows(rows.bf16, rows.ld, K, M, tiles);
+  }
+  void stage(Fp8Activations&) const {}  // product() takes more than 8 rows: no staging
 };
 
 at::Tensor moe_experts_fp4(const at::Tensor& x,             // [T, D]

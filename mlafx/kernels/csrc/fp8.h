@@ -32,8 +32,9 @@ struct Fp8Weight {
 
 // M rows of activations: bf16 bits when bf16 != nullptr (only made when use_avx512_bf16()),
 // else fp32 in f32. Row stride ld; K columns. `tiles`, when not null, holds the same bf16 rows
-// staged by avx512::fp8_stage_tiles for the AMX kernel (made only when fp8_uses_tiles(), so
-// for weights whose block_k is a multiple of 64).
+// staged in a kernel's order: by avx512::fp8_stage_tiles for the AMX kernel (made only when
+// fp8_uses_tiles(), so for weights whose block_k is a multiple of 64), or for an FP4 weight
+// by avx512::fp4_stage_rows (fp4.h).
 struct Fp8Rows {
   const uint16_t* bf16;
   const float* f32;
