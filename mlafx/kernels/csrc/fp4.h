@@ -41,6 +41,9 @@ void fp4_dot(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_
 
 // out[(n - n0) * K + k] = w[n, k] in fp32 (exact) for n0 <= n < n1. Single-threaded.
 void fp4_dequantize(const Fp4Weight& w, int64_t n0, int64_t n1, float* out);
+// The same as bf16 bits, also exact: e2m1 has 2 significant bits and bf16 fp32's exponent
+// range, subnormals included. Single-threaded.
+void fp4_dequantize_bf16(const Fp4Weight& w, int64_t n0, int64_t n1, uint16_t* out);
 
 }  // namespace mlafx
 
@@ -53,6 +56,7 @@ void fp4_dot_bf16(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, i
 void fp4_dot_f32(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
                  float* out, int64_t ldo);
 void fp4_dequantize(const Fp4Weight& w, int64_t n0, int64_t n1, float* out);
+void fp4_dequantize_bf16(const Fp4Weight& w, int64_t n0, int64_t n1, uint16_t* out);
 
 // The few-rows kernel's order of x (fp4_dot_avx512.cpp): per 128 columns, element 4i + j at
 // 32j + i; rows fp4_staged_ld(K) elements apart, zeros past K. fp4_dot takes M <= 8 bf16 rows

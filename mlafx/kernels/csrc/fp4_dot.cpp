@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "cpu_features.h"
 #include "fp4.h"
@@ -63,6 +65,22 @@ void fp4_dequantize(const Fp4Weight& w, int64_t n0, int64_t n1, float* out) {
     const uint8_t* scale = w.scale + n * w.lds;
     float* dst = out + (n - n0) * w.K;
     for (int64_t k = 0; k < w.K; ++k) dst[k] = e2m1(row, k) * ue8m0[scale[k / kFp4Group]];
+  }
+}
+
+void fp4_dequantize_bf16(const Fp4Weight& w, int64_t n0, int64_t n1, uint16_t* out) {
+  if (use_avx512_bf16()) {
+    avx512::fp4_dequantize_bf16(w, n0, n1, out);
+    return;
+  }
+  std::vector<float> row(static_cast<size_t>(w.K));
+  for (int64_t n = n0; n < n1; ++n) {
+    fp4_dequantize(w, n, n + 1, row.data());
+    for (int64_t k = 0; k < w.K; ++k) {
+      uint32_t bits;
+      std::memcpy(&bits, &row[static_cast<size_t>(k)], 4);
+      out[(n - n0) * w.K + k] = static_cast<uint16_t>(bits >> 16);  // exact: low half is zero
+    }
   }
 }
 

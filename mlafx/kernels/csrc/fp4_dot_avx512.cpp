@@ -330,4 +330,23 @@ void fp4_dequantize(const Fp4Weight& W, int64_t n0, int64_t n1, float* out) {
   }
 }
 
+void fp4_dequantize_bf16(const Fp4Weight& W, int64_t n0, int64_t n1, uint16_t* out) {
+  const float* ue8m0 = ue8m0_table();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W.w + n * W.ldw;
+    const uint8_t* scale = W.scale + n * W.lds;
+    uint16_t* dst = out + (n - n0) * W.K;
+    for (int64_t k = 0, g = 0; k < W.K; k += 32, ++g) {
+      const __mmask32 mask = first_lanes32(W.K - k);
+      const __m512i v = e2m1_to_bf16(_mm_maskz_loadu_epi8(byte_lanes(mask), row + k / 2));
+      const __m512 s = _mm512_set1_ps(ue8m0[scale[g]]);
+      // exact products; the RNE conversion keeps subnormals (VCVTNEPS2BF16 would flush them)
+      const __m256i lo = fp32_to_bf16_rne(_mm512_mul_ps(bf16_low_to_f32(v), s));
+      const __m256i hi = fp32_to_bf16_rne(_mm512_mul_ps(bf16_high_to_f32(v), s));
+      _mm512_mask_storeu_epi16(dst + k, mask,
+                               _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    }
+  }
+}
+
 }  // namespace mlafx::avx512

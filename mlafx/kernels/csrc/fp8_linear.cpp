@@ -250,7 +250,26 @@ void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N,
 
 void fp4_product_f32(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
                      int64_t ldo) {
-  product_f32(w, x, M, N, out, ldo);
+  if (x.bf16 == nullptr || M < kFp4Bf16GemmRows) {
+    product_f32(w, x, M, N, out, ldo);
+    return;
+  }
+  // bf16 rows: the weight dequantized to bf16 (exact) a tile of rows at a time, a bf16 GEMM
+  // contiguous: oneDNN's bf16 GEMM was seen to read A's row padding past K (uninitialised
+  // here; a NaN there times B's zero padding made whole rows NaN)
+  const at::Tensor xb = at::from_blob(const_cast<uint16_t*>(x.bf16), {M, w.K}, {x.ld, 1},
+                                      at::kBFloat16).contiguous();
+  const at::Tensor dst = at::from_blob(out, {M, N}, {ldo, 1}, at::kFloat);
+  const int64_t grain = std::max<int64_t>(1, fp8_row_grain(w.K / 2) / 4);
+  for (int64_t n0 = 0; n0 < N; n0 += kGemmTileRows) {
+    const int64_t n1 = std::min(N, n0 + kGemmTileRows);
+    at::Tensor tile = at::empty({n1 - n0, w.K}, at::kBFloat16);
+    auto* bits = reinterpret_cast<uint16_t*>(tile.data_ptr<c10::BFloat16>());
+    mlafx::parallel_chunks(n0, n1, grain, [&](int64_t a, int64_t b) {
+      fp4_dequantize_bf16(w, a, b, bits + (a - n0) * w.K);
+    });
+    dst.narrow(1, n0, n1 - n0).copy_(at::mm(xb, tile.t()));
+  }
 }
 
 namespace {
