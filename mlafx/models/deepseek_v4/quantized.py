@@ -89,11 +89,12 @@ class StoredExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.fmt == "fp4":
-            return moe_experts_fp4(x, ids, weights, *self.stacks(), self.limit)
+            w13, s13, w2, s2 = self.stacks()
+            return moe_experts_fp4(x, ids, weights, w13, s13, w2, s2, self.limit)
         num_experts = self.gate_up_weight.shape[0]
         return stored_experts_reference(x, ids, weights, num_experts, self.dequantized, self.limit)
 
-    def stacks(self) -> tuple[torch.Tensor, ...]:
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate_up_weight, gate_up_scale, down_weight, down_scale)."""
         return self.gate_up_weight, self.gate_up_scale, self.down_weight, self.down_scale
 
