@@ -2,7 +2,8 @@
 sequence recomputed: the reference semantics, see ``mlafx.models.deepseek_v4``), through the
 paged step: whole prefills, chunk edges inside compression windows, decodes, several
 sequences in one step, prefix hits sharing blocks, several block sizes; and greedy generation
-(tie-aware)."""
+(tie-aware). Each on the reference's dense attention and on mlafx's attention ops (the
+engine's path: ``sparse``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ TOL = 1e-4
 def models():
     hf = transformers_v4(seed=0)
     return hf, mlafx_v4(hf)
+
+
+@pytest.fixture(params=[False, True], ids=["dense", "sparse"])
+def sparse(request) -> bool:
+    return request.param
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -37,25 +43,25 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, label: str) -> None:
     [[70], [5, 13, 1, 1, 30, 20], [3, 14, 1, 2, 17, 33], [100, 3, 61, 1, 1, 124]],
     ids=["whole", "edges-in-windows", "odd-edges", "290-tokens"],
 )
-def test_chunked_prefill_matches_the_cache_free_forward(models, block_size, chunks):
+def test_chunked_prefill_matches_the_cache_free_forward(models, block_size, chunks, sparse):
     hf, model = models
     ids = _ids(sum(chunks), seed=1)
-    got = PagedRun(model, block_size).run(ids, chunks)
+    got = PagedRun(model, block_size, sparse=sparse).run(ids, chunks)
     _assert_close(got, reference_logprobs(hf, ids), f"chunks {chunks}, block size {block_size}")
 
 
-def test_decode_one_token_per_step_matches(models):
+def test_decode_one_token_per_step_matches(models, sparse):
     hf, model = models
     ids = _ids(80, seed=2)
-    got = PagedRun(model, 16).run(ids, [1] * 80)
+    got = PagedRun(model, 16, sparse=sparse).run(ids, [1] * 80)
     _assert_close(got, reference_logprobs(hf, ids), "decode")
 
 
-def test_sequences_sharing_steps_do_not_see_each_other(models):
+def test_sequences_sharing_steps_do_not_see_each_other(models, sparse):
     """Two sequences in the same steps: one prefilled in chunks while the other decodes."""
     hf, model = models
     a, b = _ids(60, seed=3), _ids(45, seed=4)
-    run = PagedRun(model, 8)
+    run = PagedRun(model, 8, sparse=sparse)
     ba, bb = run.new_blocks(60), run.new_blocks(45)
     out_a, out_b = [], []
     done_a, done_b = 0, 0
@@ -69,11 +75,11 @@ def test_sequences_sharing_steps_do_not_see_each_other(models):
 
 
 @pytest.mark.parametrize("shared_blocks", [4, 5, 8], ids=["aligned", "mid-window", "two-windows"])
-def test_prefix_hit_reads_shared_blocks_and_never_writes_them(models, shared_blocks):
+def test_prefix_hit_reads_shared_blocks_and_never_writes_them(models, shared_blocks, sparse):
     """Sequence b reuses a's first blocks (block size 4: 16, 20 or 32 tokens; HCA windows are
     16), then diverges; a's blocks are unchanged by b and b matches its own reference."""
     hf, model = models
-    run = PagedRun(model, 4)
+    run = PagedRun(model, 4, sparse=sparse)
     a = _ids(50, seed=5)
     run.run(a, [50])
     a_blocks = list(range(1, 1 + 13))
@@ -88,7 +94,7 @@ def test_prefix_hit_reads_shared_blocks_and_never_writes_them(models, shared_blo
 
 
 @pytest.mark.parametrize("prompt_len", [1, 37, 150])
-def test_greedy_generation_matches_transformers(models, prompt_len):
+def test_greedy_generation_matches_transformers(models, prompt_len, sparse):
     hf, model = models
     prompt, new = _ids(prompt_len, seed=7 + prompt_len), 30
     ref_ids, ref_lps = list(prompt), []
@@ -96,7 +102,7 @@ def test_greedy_generation_matches_transformers(models, prompt_len):
         lp = reference_logprobs(hf, ref_ids)[-1]
         ref_lps.append(lp)
         ref_ids.append(int(lp.argmax()))
-    run = PagedRun(model, 16)
+    run = PagedRun(model, 16, sparse=sparse)
     blocks = run.new_blocks(prompt_len + new)
     ids, ctx, got, got_lps = list(prompt), 0, [], []
     for _ in range(new):

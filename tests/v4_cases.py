@@ -80,8 +80,15 @@ def mlafx_v4(hf_model) -> DeepseekV4ForCausalLM:
 class PagedRun:
     """Paged caches for a few sequences; ``step`` runs one step over some of them."""
 
-    def __init__(self, model: DeepseekV4ForCausalLM, block_size: int, num_blocks: int = 256):
-        self.model, self.block_size = model, block_size
+    def __init__(
+        self,
+        model: DeepseekV4ForCausalLM,
+        block_size: int,
+        num_blocks: int = 256,
+        sparse: bool = False,
+    ):
+        """``sparse``: attention on mlafx's ops (the engine's path), else the dense reference."""
+        self.model, self.block_size, self.sparse = model, block_size, sparse
         cfg = model.config
         self.caches = [torch.zeros(s) for s in cache_shapes(cfg, num_blocks, block_size)]
         self.next_block = 1  # block 0 stays unused: a wrong slot would land there unnoticed
@@ -98,7 +105,9 @@ class PagedRun:
         [new, vocab]."""
         cfg = self.model.config
         seqs = [SequenceStep(ctx, len(ids) - ctx, bt) for ids, ctx, bt in parts]
-        meta = v4_step_metadata(seqs, self.block_size, cfg.sliding_window, cfg.compress_rates)
+        meta = v4_step_metadata(
+            seqs, self.block_size, cfg.sliding_window, cfg.compress_rates, sparse=self.sparse
+        )
         input_ids = torch.tensor([t for ids, ctx, _ in parts for t in ids[ctx:]])
         with torch.no_grad():
             logits = self.model(input_ids, self.caches, meta, torch.arange(len(input_ids)))

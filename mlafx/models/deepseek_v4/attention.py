@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from mlafx.config.deepseek_v4 import CSA, SLIDING, DeepseekV4Config
+from mlafx.kernels.v4_attention import v4_sparse_attention
 from mlafx.models.deepseek_v4.compressor import FloatRMSNorm, Indexer, PoolCompressor
 from mlafx.models.deepseek_v4.hyper_connection import unweighted_rms_norm
 from mlafx.models.deepseek_v4.rope import V4RotaryEmbedding
@@ -91,44 +92,88 @@ class V4Attention(nn.Module):
         kv = rope.rotate(self.kv_norm(self.kv_proj(x)), meta.positions)
         window = caches[0]
         window.view(-1, c).index_copy_(0, meta.slot_mapping, kv.to(window.dtype))
-        keys = window.view(-1, c).index_select(0, meta.key_slots).to(x.dtype)  # [K, c]
-        pos = meta.positions[:, None]
-        mask = (meta.query_seq_ids[:, None] == meta.key_seq_ids[None, :]) & (
-            (meta.key_positions[None, :] <= pos)
-            & (meta.key_positions[None, :] > pos - cfg.sliding_window)
-        )
-        if self.compressor is not None:
-            entries, visible = self.pool_keys(x, q_latent, caches, meta)
-            keys = torch.cat([keys, entries], dim=0)
-            mask = torch.cat([mask, visible], dim=1)
-        out = attend_with_sinks(q, keys, mask, self.sinks, c**-0.5)  # [T, H, c]
-        out = rope.rotate(out, meta.positions, inverse=True)
+        pool_cache = self.close_pools(x, caches, meta)
+        if meta.sparse is None:
+            out = self.dense_attention(x, q, q_latent, caches, pool_cache, meta)
+        else:
+            out = self.sparse_attention(x, q, q_latent, caches, pool_cache, meta)
+        out = rope.rotate(out, meta.positions, inverse=True)  # [T, H, c]
         return self.o_b_proj(self.o_a_proj(out.reshape(num_tokens, cfg.o_groups, -1)))
 
-    def pool_keys(
-        self,
-        x: torch.Tensor,
-        q_latent: torch.Tensor,
-        caches: list[torch.Tensor],
-        meta: V4StepMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's compressor inputs, close the windows that end in the step, and
-        return the pool entries [E, c] with the entries each query attends to [T, E]."""
+    def close_pools(
+        self, x: torch.Tensor, caches: list[torch.Tensor], meta: V4StepMetadata
+    ) -> torch.Tensor | None:
+        """Write the step's compressor inputs and close the windows that end in the step
+        (CSA: the indexer's too); the layer's pool cache, or None on a sliding layer."""
         comp = self.compressor
-        assert comp is not None
+        if comp is None:
+            return None
         pool = meta.pool(comp.rate)
         pool_cache = caches[3] if comp.indexer else caches[2]
         comp.write_inputs(x, caches[1], meta.slot_mapping)
         comp.close(caches[1], pool_cache, pool, self.rotary)
-        visible = (meta.query_seq_ids[:, None] == pool.entry_seq_ids[None, :]) & (
-            pool.entry_index[None, :] < (meta.positions[:, None] + 1) // comp.rate
-        )
-        entries = pool_cache.view(-1, comp.width).index_select(0, pool.entry_slots).to(x.dtype)
         if comp.indexer is not None:
             comp.indexer.write_inputs(x, caches[2], meta.slot_mapping)
             comp.indexer.close(caches[2], caches[4], pool, self.rotary)
-            visible = comp.indexer.select(x, q_latent, caches[4], meta, visible, self.rotary)
-        return entries, visible
+        return pool_cache
+
+    def dense_attention(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,  # [T, H, c] rotated
+        q_latent: torch.Tensor,
+        caches: list[torch.Tensor],
+        pool_cache: torch.Tensor | None,
+        meta: V4StepMetadata,
+    ) -> torch.Tensor:  # [T, H, c]
+        """The reference: every key row of the step, a [T, K] mask of who reads what."""
+        c = self.cfg.head_dim
+        keys = caches[0].view(-1, c).index_select(0, meta.key_slots).to(x.dtype)  # [K, c]
+        pos = meta.positions[:, None]
+        mask = (meta.query_seq_ids[:, None] == meta.key_seq_ids[None, :]) & (
+            (meta.key_positions[None, :] <= pos)
+            & (meta.key_positions[None, :] > pos - self.cfg.sliding_window)
+        )
+        comp = self.compressor
+        if comp is not None and pool_cache is not None:
+            pool = meta.pool(comp.rate)
+            visible = (meta.query_seq_ids[:, None] == pool.entry_seq_ids[None, :]) & (
+                pool.entry_index[None, :] < (meta.positions[:, None] + 1) // comp.rate
+            )
+            entries = pool_cache.view(-1, c).index_select(0, pool.entry_slots).to(x.dtype)
+            if comp.indexer is not None:
+                visible = comp.indexer.select(x, q_latent, caches[4], meta, visible, self.rotary)
+            keys = torch.cat([keys, entries], dim=0)
+            mask = torch.cat([mask, visible], dim=1)
+        return attend_with_sinks(q, keys, mask, self.sinks, c**-0.5)
+
+    def sparse_attention(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,  # [T, H, c] rotated
+        q_latent: torch.Tensor,
+        caches: list[torch.Tensor],
+        pool_cache: torch.Tensor | None,
+        meta: V4StepMetadata,
+    ) -> torch.Tensor:  # [T, H, c]
+        """The same on mlafx's ops over the paged caches: ``v4_sparse_attention`` (window and
+        pool passes of ``mla_attention_sparse``, merged, the sink) and on CSA layers the
+        indexer's ``dsa_indexer_topk``."""
+        sparse = meta.sparse
+        assert sparse is not None
+        pool = None
+        comp = self.compressor
+        if comp is not None and pool_cache is not None:
+            paged = sparse.pools[comp.rate]
+            selected = paged.visible
+            if comp.indexer is not None:
+                selected = comp.indexer.select_paged(x, q_latent, caches[4], meta, self.rotary)
+            pool = (pool_cache, paged.table, paged.lens, selected)
+        window = caches[0]
+        return v4_sparse_attention(
+            q.to(window.dtype), sparse.query_start_loc, window, sparse.block_table,
+            sparse.kv_lens, sparse.window, self.sinks, self.cfg.head_dim**-0.5, pool,
+        ).to(x.dtype)  # fmt: skip
 
 
 def attend_with_sinks(

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from mlafx.config.deepseek_v4 import DeepseekV4Config
+from mlafx.kernels.dsa_ops import dsa_indexer_topk
 from mlafx.models.deepseek_v4.rope import V4RotaryEmbedding
 from mlafx.models.deepseek_v4.step import PoolStep, V4StepMetadata
 
@@ -120,3 +121,23 @@ class Indexer(PoolCompressor):
         best = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
         chosen = torch.zeros_like(visible).scatter_(1, best, True)
         return chosen & visible
+
+    def select_paged(
+        self,
+        x: torch.Tensor,  # [T, D] the layer input
+        q_latent: torch.Tensor,  # [T, Lq]
+        pool_cache: torch.Tensor,  # the indexer's key pool, paged
+        meta: V4StepMetadata,  # with ``sparse``
+        rope: V4RotaryEmbedding,
+    ) -> torch.Tensor:  # [T, index_topk] int64: entries, ascending, -1 padded
+        """``select`` on ``dsa_indexer_topk`` over the paged pool: the same scores with the
+        scales folded into the head weights, the same tie rule (the earlier entry)."""
+        assert meta.sparse is not None
+        paged = meta.sparse.pools[self.rate]
+        q = self.q_b_proj(q_latent).view(x.shape[0], self.heads, self.width)
+        q = rope.rotate(q, meta.positions).to(pool_cache.dtype)
+        weights = self.scorer.weights_proj(x).float() * (self.heads**-0.5 * self.width**-0.5)
+        return dsa_indexer_topk(
+            q, weights, pool_cache, paged.table, paged.lens, meta.sparse.query_start_loc,
+            paged.last_visible, self.topk,
+        )  # fmt: skip

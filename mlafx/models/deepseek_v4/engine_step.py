@@ -1,13 +1,14 @@
-"""The engine's step (``StepFn``) over DeepSeek-V4's reference model.
+"""The engine's step (``StepFn``) over DeepSeek-V4's model, its attention on mlafx's ops.
 
 The engine builds every step's inputs with the MLA step ABI (``models/step.py``); this step
 reads the per-sequence facts of its metadata (``block_table``, ``kv_lens``,
 ``query_start_loc``: each sequence's cache blocks, cached tokens after the step and new
 tokens) and turns them into V4's own (``v4_step_metadata``: window rows, pool entries closing
-and read). The caches are ``DeepseekV4Config.cache_block_shapes``' paged tensors, sharing the
-block ids of the engine's block tables: a token's rows and the pool entries its window closes
-live in the token's block, so prefix hits, copies of leading rows, preemption and KV stores
-work on them as on a latent cache.
+and read, and the paged form the attention ops read, ``sparse_step.py``). The caches are
+``DeepseekV4Config.cache_block_shapes``' paged tensors, sharing the block ids of the engine's
+block tables: a token's rows and the pool entries its window closes live in the token's block,
+so prefix hits, copies of leading rows, preemption and KV stores work on them as on a latent
+cache.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class V4EngineStep:
     ) -> torch.Tensor:  # [S, vocab]
         cfg = self.model.config
         v4_meta = v4_step_metadata(
-            self.sequences(meta), self.block_size, cfg.sliding_window, cfg.compress_rates
-        )
+            self.sequences(meta), self.block_size, cfg.sliding_window, cfg.compress_rates,
+            sparse=True,
+        )  # fmt: skip
         if not torch.equal(v4_meta.positions, positions):
             raise ValueError("the step's positions disagree with its sequences' metadata")
         return self.model(input_ids, caches, v4_meta, logits_indices)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from mlafx.config.deepseek_v4 import pool_rows_per_block
+from mlafx.models.deepseek_v4.sparse_step import SparseStep, sparse_step
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ class V4StepMetadata:
     key_seq_ids    [K] int64
     key_positions  [K] int64
     pools          one ``PoolStep`` per compression rate the model uses (``rate`` ascending)
+    sparse         the same step as paged caches and per-query positions
+                   (``sparse_step.py``): given, attention runs on mlafx's ops instead of the
+                   reference's dense masks
     """
 
     positions: torch.Tensor
@@ -86,6 +90,7 @@ class V4StepMetadata:
     key_seq_ids: torch.Tensor
     key_positions: torch.Tensor
     pools: tuple[PoolStep, ...]
+    sparse: SparseStep | None = None
 
     def pool(self, rate: int) -> PoolStep:
         for p in self.pools:
@@ -140,9 +145,14 @@ def _pool_step(
 
 
 def v4_step_metadata(
-    seqs: Sequence[SequenceStep], block_size: int, sliding_window: int, rates: Sequence[int]
+    seqs: Sequence[SequenceStep],
+    block_size: int,
+    sliding_window: int,
+    rates: Sequence[int],
+    sparse: bool = False,
 ) -> V4StepMetadata:
-    """The step inputs of ``seqs`` (see the module docstring)."""
+    """The step inputs of ``seqs`` (see the module docstring); with ``sparse`` also the
+    paged form attention takes on mlafx's ops (``sparse_step.py``)."""
     long = torch.int64
     positions, slots, seq_ids, key_slots, key_seq, key_pos = [], [], [], [], [], []
     for b, s in enumerate(seqs):
@@ -165,4 +175,5 @@ def v4_step_metadata(
         key_seq_ids=torch.tensor(key_seq, dtype=long),
         key_positions=torch.tensor(key_pos, dtype=long),
         pools=tuple(_pool_step(seqs, m, block_size, long) for m in sorted(set(rates))),
+        sparse=sparse_step(seqs, block_size, sliding_window, rates) if sparse else None,
     )
