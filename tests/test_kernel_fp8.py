@@ -265,6 +265,27 @@ def test_moe_streaming_and_gemm_paths(pairs):
     _assert_moe_close(moe_experts_fp8(*args), args)
 
 
+@pytest.mark.parametrize("tokens", [3, 40])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_moe_swiglu_limit(tokens, dtype):
+    """DeepSeek-V4's clamped SwiGLU (g from above, u on both sides), on the streaming and the
+    per-expert paths; opcheck with the limit."""
+    gen = torch.Generator().manual_seed(tokens)
+    x, ids, weights, w13, s13, w2, s2, block = _moe_case(tokens, 200, 72, 2, 2, dtype, gen)
+    s13 *= 8  # g and u of a few units: a limit of 0.5 clamps most of them
+    args = (x, ids, weights, w13, s13, w2, s2, block)
+    out = moe_experts_fp8(*args, swiglu_limit=0.5)
+    expected = moe_experts_fp8_f64(*args, swiglu_limit=0.5)
+    tol = MOE_TOLERANCE[dtype]
+    scale = max(expected.abs().max().item(), 1e-6)
+    torch.testing.assert_close(out.double(), expected, atol=tol * scale, rtol=tol)
+    eager = moe_experts_fp8_reference(*args, swiglu_limit=0.5)
+    torch.testing.assert_close(out.double(), eager.double(), atol=tol * scale, rtol=tol)
+    unclamped = moe_experts_fp8_f64(*args)
+    assert (unclamped - expected).abs().max() > 10 * tol * scale  # the limit mattered
+    _opcheck(torch.ops.mlafx.moe_experts_fp8.default, (*args[:-1], *block, 0.5))
+
+
 def test_moe_out_of_range_id_raises():
     gen = torch.Generator().manual_seed(4)
     x, ids, *rest = _moe_case(3, 64, 32, 2, 1, torch.float32, gen)

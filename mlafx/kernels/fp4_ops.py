@@ -7,8 +7,6 @@ eager reference is ``models.deepseek_v4.quantized.moe_experts_fp4_reference``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mlafx.kernels.extension import load_extension
@@ -38,7 +36,7 @@ def _moe_experts_fp4_fake(
     w13_scale: torch.Tensor,
     w2: torch.Tensor,
     w2_scale: torch.Tensor,
-    swiglu_limit: float,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     # Shapes and dtypes only; expert ids are data, checked when the kernel runs.
     torch._check(x.dtype in _FLOAT_DTYPES, lambda: f"x dtype {x.dtype} unsupported")
@@ -46,7 +44,7 @@ def _moe_experts_fp4_fake(
     torch._check(topk_weights.dtype == torch.float32, lambda: "topk_weights must be float32")
     torch._check(x.dim() == 2 and topk_ids.dim() == 2 and w13.dim() == 3 and w2.dim() == 3)
     torch._check(topk_ids.shape[0] == x.shape[0] and topk_weights.shape == topk_ids.shape)
-    torch._check(swiglu_limit > 0, lambda: f"swiglu_limit {swiglu_limit} must be positive")
+    torch._check(swiglu_limit is None or swiglu_limit > 0, lambda: "swiglu_limit must be > 0")
     e, d, inter = w2.shape[0], x.shape[1], 2 * w2.shape[2]
     _check_weight(w13, w13_scale, e, 2 * inter, d)
     _check_weight(w2, w2_scale, e, d, inter)
@@ -61,10 +59,10 @@ def moe_experts_fp4(
     w13_scale: torch.Tensor,  # [E, 2I, ceil(D/32)] ue8m0 (uint8 or float8_e8m0fnu)
     w2: torch.Tensor,  # [E, D, I/2]
     w2_scale: torch.Tensor,  # [E, D, ceil(I/32)]
-    swiglu_limit: float = math.inf,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Routed experts over FP4 weights -> [T, D] in x's dtype: ``[g | u] = x @ W13^T`` rounded
-    to x's dtype, clamped at ``swiglu_limit`` (g from above, u both sides; ``inf``: no clamp),
+    to x's dtype, clamped at ``swiglu_limit`` (g from above, u both sides; None: no clamp),
     ``h = silu(g) * u`` in x's dtype, ``y = h @ W2^T`` rounded, ``sum_j topk_weights * y`` in
     float32, rounded once; each product exact per term, in float32 sums
     (``models.deepseek_v4.quantized.moe_experts_fp4_reference``). The kernels: AVX-512 BF16

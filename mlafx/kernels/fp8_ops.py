@@ -62,6 +62,7 @@ def _moe_experts_fp8_fake(
     w2_scale: torch.Tensor,
     block_n: int,
     block_k: int,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     # Shapes and dtypes only; expert ids are data, checked when the kernel runs.
     torch._check(x.dtype in _FLOAT_DTYPES, lambda: f"x dtype {x.dtype} unsupported")
@@ -97,13 +98,15 @@ def moe_experts_fp8(
     w2: torch.Tensor,  # [E, D, I] float8_e4m3fn
     w2_scale: torch.Tensor,  # [E, ceil(D/bn), ceil(I/bk)]
     block: tuple[int, int],
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Routed experts over block FP8 weights -> [T, D] in x's dtype, as
     ``moe_experts_quantized`` with each product ``linear_fp8``
-    (``models.fp8.moe_experts_fp8_reference``). An id outside ``[0, E)`` raises
+    (``models.fp8.moe_experts_fp8_reference``); with ``swiglu_limit`` the SwiGLU's inputs
+    clamped as DeepSeek-V4's (``models.moe.clamped_swiglu``). An id outside ``[0, E)`` raises
     ``IndexError``."""
     return torch.ops.mlafx.moe_experts_fp8(
-        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, block[0], block[1]
+        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, block[0], block[1], swiglu_limit
     )
 
 

@@ -5,9 +5,9 @@ between a kernel and these is its fp32 summation and the final rounding to x's d
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from mlafx.kernels.fp8_format import dequantize_fp8, dequantize_gate_up
+from mlafx.models.moe import clamped_swiglu
 
 
 def linear_fp8_f64(
@@ -33,9 +33,11 @@ def moe_experts_fp8_f64(
     w2: torch.Tensor,  # [E, D, I]
     w2_scale: torch.Tensor,
     block: tuple[int, int],
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Per (token, choice) in float64 except where the op rounds to x's dtype (g, u, h and y,
-    whose rounding is part of the semantics) -> float64 [T, D]."""
+    whose rounding is part of the semantics) -> float64 [T, D]; g and u clamped at
+    ``swiglu_limit`` when given."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     inter = w2.shape[-1]
     gate_up_w = dequantize_gate_up(w13, w13_scale, block, torch.float64)
@@ -44,7 +46,7 @@ def moe_experts_fp8_f64(
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[t, j])
             gate_up = (x[t : t + 1].double() @ gate_up_w[e].t()).to(x.dtype)
-            h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            h = clamped_swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
             y = (h.double() @ down_w[e].t()).to(x.dtype)
             out[t] += float(topk_weights[t, j]) * y[0].double()
     return out

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlafx.kernels.fp8_format import dequantize_fp8, dequantize_gate_up, linear_fp8_reference
-from mlafx.models.moe import check_expert_ids, grouped_by_expert
+from mlafx.models.moe import check_expert_ids, clamped_swiglu, grouped_by_expert
 
 
 class Fp8Linear(nn.Module):
@@ -91,12 +91,13 @@ def moe_experts_fp8_reference(
     w2: torch.Tensor,  # [E, D, I] float8_e4m3fn
     w2_scale: torch.Tensor,  # [E, ceil(D/bn), ceil(I/bk)]
     block: tuple[int, int],
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Routed experts over block FP8 weights -> [T, D] in x's dtype (the semantics of
     ``mlafx::moe_experts_fp8``): ``[g | u] = x @ W13^T`` rounded to x's dtype, ``h = silu(g) *
-    u`` in x's dtype, ``y = h @ W2^T`` rounded, ``sum_j topk_weights * y`` in float32, rounded
-    once; each product in float32 over the dequantized expert. An id outside ``[0, E)`` raises
-    ``IndexError``."""
+    u`` in x's dtype (``clamped_swiglu`` with ``swiglu_limit``), ``y = h @ W2^T`` rounded,
+    ``sum_j topk_weights * y`` in float32, rounded once; each product in float32 over the
+    dequantized expert. An id outside ``[0, E)`` raises ``IndexError``."""
     num_experts = w13.shape[0]
     check_expert_ids(topk_ids, num_experts)
 
@@ -104,7 +105,7 @@ def moe_experts_fp8_reference(
         gate_up_w = dequantize_gate_up(w13[expert], w13_scale[expert], block)
         gate, up = F.linear(rows.float(), gate_up_w).to(x.dtype).chunk(2, dim=-1)
         down_w = dequantize_fp8(w2[expert], w2_scale[expert], block)
-        return F.linear((F.silu(gate) * up).float(), down_w).to(x.dtype)
+        return F.linear(clamped_swiglu(gate, up, swiglu_limit).float(), down_w).to(x.dtype)
 
     return grouped_by_expert(x, topk_ids, topk_weights, num_experts, expert_mlp)
 

@@ -28,6 +28,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -216,6 +218,13 @@ inline void check_routing(const char* op, const at::Tensor& x, const at::Tensor&
                     topk_weights.sizes());
   TORCH_CHECK_VALUE(x.size(1) <= 1 || x.stride(1) == 1, op,
                     ": x's last dim must be contiguous, got strides ", x.strides());
+}
+
+// The SwiGLU clamp of an op's optional swiglu_limit: positive (inf and None: no clamp).
+inline float checked_limit(const char* op, std::optional<double> limit) {
+  TORCH_CHECK_VALUE(!limit.has_value() || *limit > 0, op,
+                    ": swiglu_limit must be positive (or None: no clamp), got ", limit.value_or(0));
+  return limit.has_value() ? static_cast<float>(*limit) : std::numeric_limits<float>::infinity();
 }
 
 inline void check_ids(const char* op, const int64_t* ids, int64_t num_pairs, int64_t k,

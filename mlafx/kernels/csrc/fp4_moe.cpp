@@ -8,7 +8,7 @@
 //   w13_scale:    [E, 2I, ceil(D/32)] uint8 / float8_e8m0fnu
 //   w2:           [E, D, I/2]  int8/uint8 packed nibbles
 //   w2_scale:     [E, D, ceil(I/32)]
-//   swiglu_limit: float; inf for the plain SwiGLU
+//   swiglu_limit: float or None (the plain SwiGLU)
 //   out:          [T, D]       x's dtype, contiguous:
 //     [g | u] = x[t] @ W13[e]^T rounded to x's dtype; g = min(g, limit), u = clamp(u, -limit,
 //     limit); h = silu(g) * u in x's dtype (silu in fp32 of the rounded g, rounded, times u);
@@ -27,8 +27,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <cstdint>
+#include <optional>
 
 #include "cpu_features.h"
 #include "expert_stacks.h"
@@ -120,15 +120,13 @@ at::Tensor moe_experts_fp4(const at::Tensor& x,             // [T, D]
                            const at::Tensor& w13_scale,     // [E, 2I, ceil(D/32)] ue8m0
                            const at::Tensor& w2,            // [E, D, I/2] nibbles
                            const at::Tensor& w2_scale,      // [E, D, ceil(I/32)] ue8m0
-                           double swiglu_limit) {
+                           std::optional<double> swiglu_limit) {
   constexpr const char* op = "moe_experts_fp4";
+  const float limit = expert_stacks::checked_limit(op, swiglu_limit);
   expert_stacks::check_routing(op, x, topk_ids, topk_weights);
   TORCH_CHECK_VALUE(w13.dim() == 3 && w2.dim() == 3,
                     "moe_experts_fp4: w13 and w2 must be [num_experts, rows, bytes], got shapes ",
                     w13.sizes(), " and ", w2.sizes());
-  TORCH_CHECK_VALUE(!std::isnan(swiglu_limit) && swiglu_limit > 0,
-                    "moe_experts_fp4: swiglu_limit must be positive (inf: no clamp), got ",
-                    swiglu_limit);
   const int64_t D = x.size(1), E = w13.size(0), I = 2 * w2.size(2);
   check_fp4_weight("w13", w13, w13_scale, E, 2 * I, D);
   check_fp4_weight("w2", w2, w2_scale, E, D, I);
@@ -145,7 +143,7 @@ at::Tensor moe_experts_fp4(const at::Tensor& x,             // [T, D]
   const Fp4Stacks pb{k,
                      D,
                      I,
-                     static_cast<float>(swiglu_limit),
+                     limit,
                      static_cast<const uint8_t*>(w13.const_data_ptr()),
                      static_cast<const uint8_t*>(w13_scale.const_data_ptr()),
                      static_cast<const uint8_t*>(w2.const_data_ptr()),
@@ -165,7 +163,7 @@ at::Tensor moe_experts_fp4(const at::Tensor& x,             // [T, D]
 TORCH_LIBRARY_FRAGMENT(mlafx, m) {
   m.def(
       "moe_experts_fp4(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
-      "Tensor w13_scale, Tensor w2, Tensor w2_scale, float swiglu_limit) -> Tensor");
+      "Tensor w13_scale, Tensor w2, Tensor w2_scale, float? swiglu_limit=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mlafx, CPU, m) { m.impl("moe_experts_fp4", &mlafx::moe_experts_fp4); }

@@ -10,9 +10,10 @@
 //   w2:           [E, D, I]   float8_e4m3fn
 //   w2_scale:     [E, ceil(D/bn), ceil(I/bk)] float32
 //   out:          [T, D]      x's dtype, contiguous:
-//     [g | u] = x[t] @ W13[e]^T rounded to x's dtype, h = silu(g) * u in x's dtype (silu in
-//     fp32 of the rounded g, rounded, times u), y = h @ W2[e]^T rounded to x's dtype; every
-//     product as linear_fp8; out[t] = sum_j topk_weights[t, j] * y in fp32, rounded once.
+//     [g | u] = x[t] @ W13[e]^T rounded to x's dtype (with swiglu_limit: g = min(g, limit),
+//     u = clamp(u, -limit, limit), as DeepSeek-V4's experts), h = silu(g) * u in x's dtype
+//     (silu in fp32 of the rounded g, rounded, times u), y = h @ W2[e]^T rounded to x's dtype;
+//     every product as linear_fp8; out[t] = sum_j topk_weights[t, j] * y in fp32, rounded once.
 //
 // The driver is expert_stacks.h's (shared with moe_experts_fp4): pairs grouped by expert, each
 // picked expert's weights read once per call.
@@ -25,7 +26,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <limits>
+#include <optional>
 
 #include "expert_stacks.h"
 #include "fp8_aten.h"
@@ -84,8 +85,10 @@ at::Tensor moe_experts_fp8(const at::Tensor& x,             // [T, D]
                            const at::Tensor& w13_scale,     // [E, 2 ceil(I/bn), ceil(D/bk)]
                            const at::Tensor& w2,            // [E, D, I] e4m3
                            const at::Tensor& w2_scale,      // [E, ceil(D/bn), ceil(I/bk)]
-                           int64_t block_n, int64_t block_k) {
+                           int64_t block_n, int64_t block_k,
+                           std::optional<double> swiglu_limit) {
   constexpr const char* op = "moe_experts_fp8";
+  const float limit = expert_stacks::checked_limit(op, swiglu_limit);
   expert_stacks::check_routing(op, x, topk_ids, topk_weights);
   TORCH_CHECK_VALUE(w13.dim() == 3 && w2.dim() == 3,
                     "moe_experts_fp8: w13 and w2 must be [num_experts, rows, cols], got shapes ",
@@ -108,7 +111,7 @@ at::Tensor moe_experts_fp8(const at::Tensor& x,             // [T, D]
   const Fp8Stacks pb{k,
                      D,
                      I,
-                     std::numeric_limits<float>::infinity(),
+                     limit,
                      block_n,
                      block_k,
                      static_cast<const uint8_t*>(w13.const_data_ptr()),
@@ -132,7 +135,8 @@ at::Tensor moe_experts_fp8(const at::Tensor& x,             // [T, D]
 TORCH_LIBRARY_FRAGMENT(mlafx, m) {
   m.def(
       "moe_experts_fp8(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
-      "Tensor w13_scale, Tensor w2, Tensor w2_scale, int block_n, int block_k) -> Tensor");
+      "Tensor w13_scale, Tensor w2, Tensor w2_scale, int block_n, int block_k, "
+      "float? swiglu_limit=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mlafx, CPU, m) { m.impl("moe_experts_fp8", &mlafx::moe_experts_fp8); }

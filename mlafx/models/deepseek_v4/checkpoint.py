@@ -38,9 +38,12 @@ from mlafx.kernels.fp8_format import scale_shape
 from mlafx.models.deepseek_v4.attention import GroupedLinear
 from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from mlafx.models.deepseek_v4.moe import ClampedExperts
-from mlafx.models.deepseek_v4.quantized import Fp8GroupedLinear, StoredExperts
+from mlafx.models.deepseek_v4.quantized import (
+    Fp8GroupedLinear,
+    Fp8KernelLinear,
+    StoredExperts,
+)
 from mlafx.models.deepseek_v4.rope import V4RotaryEmbedding
-from mlafx.models.fp8 import Fp8Linear
 from mlafx.models.packed_int4_checkpoint import replace_module
 from mlafx.models.safetensors_file import map_file
 from mlafx.models.weights import WeightLoadError, checkpoint_files
@@ -240,7 +243,7 @@ def _install_quantized(
             replacement: nn.Module = (
                 Fp8GroupedLinear(weight, fscale, block, module.groups)
                 if isinstance(module, GroupedLinear)
-                else Fp8Linear(weight, fscale, block)
+                else Fp8KernelLinear(weight, fscale, block)
             )
             replace_module(model, name, replacement)
         elif isinstance(module, ClampedExperts):

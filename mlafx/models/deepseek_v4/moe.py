@@ -13,11 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlafx.config.deepseek_v4 import DeepseekV4Config
-from mlafx.models.moe import grouped_by_expert
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+from mlafx.models.moe import clamped_swiglu, grouped_by_expert
 
 
 def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:

@@ -1,16 +1,16 @@
-"""V4's modules over the bytes DeepSeek publishes: FP8 e4m3 block-scaled linears
-(``models/fp8.Fp8Linear``; here also the grouped ``o_a_proj``) and routed experts in FP4 e2m1
-with ue8m0 scales per 32 (``kernels/fp4_format.py``) or in block FP8.
+"""V4's modules over the bytes DeepSeek publishes: FP8 e4m3 block-scaled linears (here also
+the grouped ``o_a_proj``) and routed experts in FP4 e2m1 with ue8m0 scales per 32
+(``kernels/fp4_format.py``) or in block FP8.
 
-The reference semantics: each weight (an expert's, when the expert runs) is dequantized to
-float32 and multiplied in float32, the result rounded once to x's dtype; the bytes stay as
-stored. FP4 experts run on ``mlafx::moe_experts_fp4`` (the nibbles widened in registers; the
-same products, fp32 sums in another order); ``moe_experts_fp4_reference`` is their definition.
+The semantics: each weight (an expert's, when the expert runs) dequantized to float32 and
+multiplied in float32, the result rounded once to x's dtype (``linear_fp8_reference``,
+``stored_experts_reference``). The modules run on mlafx's ops, which keep the stored bytes and
+widen them in registers: ``linear_fp8``, ``moe_experts_fp8`` and ``moe_experts_fp4`` (the same
+exact products; fp32 sums in another order).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -20,9 +20,19 @@ from torch import nn
 from mlafx.kernels.fp4_format import dequantize_fp4
 from mlafx.kernels.fp4_ops import moe_experts_fp4
 from mlafx.kernels.fp8_format import dequantize_fp8, dequantize_gate_up
+from mlafx.kernels.fp8_ops import linear_fp8, moe_experts_fp8
 from mlafx.models.deepseek_v4.attention import grouped_linear
-from mlafx.models.deepseek_v4.moe import clamped_swiglu
-from mlafx.models.moe import check_expert_ids, grouped_by_expert
+from mlafx.models.fp8 import Fp8Linear
+from mlafx.models.moe import check_expert_ids, clamped_swiglu, grouped_by_expert
+
+
+class Fp8KernelLinear(Fp8Linear):
+    """``Fp8Linear`` on ``linear_fp8`` (its forward is the dequantizing reference)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = linear_fp8(rows, self.weight, self.weight_scale_inv, self.block)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class Fp8GroupedLinear(nn.Module):
@@ -40,7 +50,24 @@ class Fp8GroupedLinear(nn.Module):
         self.register_buffer("weight_scale_inv", scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, groups, in] -> [T, groups * out]."""
+        """x [T, groups, in] -> [T, groups * out], each group on ``linear_fp8``: over its own
+        rows when a group's rows are whole scale blocks (V4's: 1024 rows, blocks of 128), else
+        over the whole weight, keeping the group's columns."""
+        out, bn = self.weight.shape[0] // self.groups, self.block[0]
+        parts = []
+        for g in range(self.groups):
+            rows = slice(g * out, (g + 1) * out)
+            if out % bn == 0:
+                blocks = slice(g * out // bn, (g + 1) * out // bn)
+                w, s = self.weight[rows], self.weight_scale_inv[blocks]
+                parts.append(linear_fp8(x[:, g], w, s, self.block))
+            else:
+                whole = linear_fp8(x[:, g], self.weight, self.weight_scale_inv, self.block)
+                parts.append(whole[:, rows])
+        return torch.cat(parts, dim=1)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The semantics: the dequantized weight in float32, rounded once."""
         w = dequantize_fp8(self.weight, self.weight_scale_inv, self.block)
         return grouped_linear(x.float(), w, self.groups).to(x.dtype)
 
@@ -88,9 +115,14 @@ class StoredExperts(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        w13, s13, w2, s2 = self.stacks()
         if self.fmt == "fp4":
-            w13, s13, w2, s2 = self.stacks()
             return moe_experts_fp4(x, ids, weights, w13, s13, w2, s2, self.limit)
+        assert self.block is not None
+        return moe_experts_fp8(x, ids, weights, w13, s13, w2, s2, self.block, self.limit)
+
+    def reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The semantics: ``stored_experts_reference`` over the dequantized stacks."""
         num_experts = self.gate_up_weight.shape[0]
         return stored_experts_reference(x, ids, weights, num_experts, self.dequantized, self.limit)
 
@@ -108,7 +140,7 @@ def stored_experts_reference(
     weights: torch.Tensor,  # [T, k] float32
     num_experts: int,
     dequantized: Callable[[int], tuple[torch.Tensor, torch.Tensor]],  # e -> (gate_up, down) fp32
-    limit: float,
+    limit: float | None,
 ) -> torch.Tensor:
     """Routed experts over dequantized weights -> [T, D] in x's dtype: ``[g | u] = x @ W13^T``
     in float32 rounded to x's dtype, ``h = clamped_swiglu(g, u)`` in x's dtype, ``y = h @ W2^T``
@@ -132,7 +164,7 @@ def moe_experts_fp4_reference(
     w13_scale: torch.Tensor,  # [E, 2I, ceil(D/32)] ue8m0
     w2: torch.Tensor,  # [E, D, I/2]
     w2_scale: torch.Tensor,  # [E, D, ceil(I/32)]
-    swiglu_limit: float = math.inf,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """The semantics of ``mlafx::moe_experts_fp4``: ``stored_experts_reference`` over the
     dequantized FP4 stacks."""
