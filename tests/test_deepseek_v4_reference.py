@@ -93,15 +93,28 @@ def test_prefix_hit_reads_shared_blocks_and_never_writes_them(models, shared_blo
         assert torch.equal(c[1 : 1 + 13], old[1 : 1 + 13]), f"a shared block changed ({per_block})"
 
 
+_GREEDY: dict[tuple[int, ...], tuple[list[int], list[torch.Tensor]]] = {}
+
+
+def _greedy_reference(hf, prompt: list[int], new: int) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy continuation (ids, each step's log-softmax), once per prompt for
+    both attention paths."""
+    key = (*prompt, new)
+    if key not in _GREEDY:
+        ids, lps = list(prompt), []
+        for _ in range(new):
+            lp = reference_logprobs(hf, ids)[-1]
+            lps.append(lp)
+            ids.append(int(lp.argmax()))
+        _GREEDY[key] = (ids, lps)
+    return _GREEDY[key]
+
+
 @pytest.mark.parametrize("prompt_len", [1, 37, 150])
 def test_greedy_generation_matches_transformers(models, prompt_len, sparse):
     hf, model = models
     prompt, new = _ids(prompt_len, seed=7 + prompt_len), 30
-    ref_ids, ref_lps = list(prompt), []
-    for _ in range(new):
-        lp = reference_logprobs(hf, ref_ids)[-1]
-        ref_lps.append(lp)
-        ref_ids.append(int(lp.argmax()))
+    ref_ids, ref_lps = _greedy_reference(hf, prompt, new)
     run = PagedRun(model, 16, sparse=sparse)
     blocks = run.new_blocks(prompt_len + new)
     ids, ctx, got, got_lps = list(prompt), 0, [], []
