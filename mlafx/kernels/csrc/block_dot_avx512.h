@@ -20,7 +20,8 @@
 namespace mlafx::avx512 {
 
 inline __m512 bf16_low_to_f32(__m512i v) {  // lanes 0..15 of 32 bf16 -> fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
 }
 inline __m512 bf16_high_to_f32(__m512i v) {  // lanes 16..31
   return _mm512_castsi512_ps(

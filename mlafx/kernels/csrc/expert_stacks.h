@@ -22,8 +22,10 @@
 //   void stage(Fp8Activations&);                 // an expert's rows for product()
 #pragma once
 
+#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
@@ -57,21 +59,6 @@ void swiglu_row(float* gate, float* up, scalar_t* h, int64_t n, float limit) {
     }
   }
   silu_times_up_row(gate, up, h, n);
-}
-
-// sum[t(p)] += weight(p) * round(y[j]) over columns [d0, d1) for the group's pairs.
-template <typename scalar_t, typename Stacks>
-void add_weighted_rows(const Stacks& pb, const Routing& routing, const ExpertGroup& group,
-                       const float* y, int64_t ld, int64_t d0, int64_t d1) {
-  for (int64_t j = 0; j < group.size(); ++j) {
-    const int64_t pair = routing.sorted_pairs[group.begin + j];
-    float* dst = pb.sum + (pair / pb.num_pairs_per_token) * pb.hidden;
-    const float weight = pb.weights[pair];
-    const float* src = y + j * ld - d0;
-    for (int64_t d = d0; d < d1; ++d) {
-      dst[d] += static_cast<float>(static_cast<scalar_t>(src[d])) * weight;
-    }
-  }
 }
 
 // Each group's rows of `a` (from row_of_group[g] on); those of a group that uses_tiles are
@@ -233,6 +220,29 @@ inline void check_ids(const char* op, const int64_t* ids, int64_t num_pairs, int
     TORCH_CHECK_INDEX(ids[p] >= 0 && ids[p] < num_experts, op, ": topk_ids[", p / k, ", ", p % k,
                       "] = ", ids[p], " is out of range for ", num_experts, " experts");
   }
+}
+
+// An op's call once its weights are checked: the ids checked against num_experts, the pairs
+// grouped, `make(k, weights, sum)` -> the Stacks over the contiguous topk_weights and the fp32
+// [T, D] sum, every group run, the sum rounded once to x's dtype.
+template <typename Make>
+at::Tensor run_op(const char* op, const at::Tensor& x, const at::Tensor& topk_ids,
+                  const at::Tensor& topk_weights, int64_t num_experts, int64_t inter, Make make) {
+  const int64_t T = x.size(0), D = x.size(1), k = topk_ids.size(1);
+  const at::Tensor ids = topk_ids.contiguous();
+  const int64_t* id_data = ids.const_data_ptr<int64_t>();
+  check_ids(op, id_data, T * k, k, num_experts);
+  at::Tensor sum = at::zeros({T, D}, x.options().dtype(at::kFloat));  // fp32 [T, D]
+  if (T * k == 0 || D == 0 || inter == 0) {
+    return sum.to(x.scalar_type());
+  }
+  const at::Tensor weights = topk_weights.contiguous();
+  const Routing routing = group_by_expert(id_data, T * k, num_experts, kMaxStreamingPairs);
+  const auto pb = make(k, weights.const_data_ptr<float>(), sum.data_ptr<float>());
+  const Fp8Activations xa = fp8_activations(x);  // once per call
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "expert_stacks",
+                                  [&] { run<scalar_t>(pb, routing, xa, x); });
+  return sum.to(x.scalar_type());
 }
 
 }  // namespace mlafx::expert_stacks

@@ -313,40 +313,43 @@ void fp4_dot_f32(const Fp4Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, in
   }
 }
 
-void fp4_dequantize(const Fp4Weight& W, int64_t n0, int64_t n1, float* out) {
+namespace {
+
+// Rows [n0, n1) dequantized 32 weights at a time: store(dst row, k, mask, lo, hi) takes the
+// group's exact fp32 values, elements k..k+15 in lo and k+16..k+31 in hi.
+template <typename T, typename Store>
+void dequantize_rows(const Fp4Weight& W, int64_t n0, int64_t n1, T* out, Store store) {
   const float* ue8m0 = ue8m0_table();
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = W.w + n * W.ldw;
     const uint8_t* scale = W.scale + n * W.lds;
-    float* dst = out + (n - n0) * W.K;
+    T* dst = out + (n - n0) * W.K;
     for (int64_t k = 0, g = 0; k < W.K; k += 32, ++g) {
       const __mmask32 mask = first_lanes32(W.K - k);
       const __m512i v = e2m1_to_bf16(_mm_maskz_loadu_epi8(byte_lanes(mask), row + k / 2));
       const __m512 s = _mm512_set1_ps(ue8m0[scale[g]]);
-      _mm512_mask_storeu_ps(dst + k, static_cast<__mmask16>(mask), _mm512_mul_ps(bf16_low_to_f32(v), s));
-      _mm512_mask_storeu_ps(dst + k + 16, static_cast<__mmask16>(mask >> 16),
-                            _mm512_mul_ps(bf16_high_to_f32(v), s));
+      store(dst + k, mask, _mm512_mul_ps(bf16_low_to_f32(v), s),
+            _mm512_mul_ps(bf16_high_to_f32(v), s));
     }
   }
 }
 
+}  // namespace
+
+void fp4_dequantize(const Fp4Weight& W, int64_t n0, int64_t n1, float* out) {
+  dequantize_rows(W, n0, n1, out, [](float* dst, __mmask32 mask, __m512 lo, __m512 hi) {
+    _mm512_mask_storeu_ps(dst, static_cast<__mmask16>(mask), lo);
+    _mm512_mask_storeu_ps(dst + 16, static_cast<__mmask16>(mask >> 16), hi);
+  });
+}
+
 void fp4_dequantize_bf16(const Fp4Weight& W, int64_t n0, int64_t n1, uint16_t* out) {
-  const float* ue8m0 = ue8m0_table();
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = W.w + n * W.ldw;
-    const uint8_t* scale = W.scale + n * W.lds;
-    uint16_t* dst = out + (n - n0) * W.K;
-    for (int64_t k = 0, g = 0; k < W.K; k += 32, ++g) {
-      const __mmask32 mask = first_lanes32(W.K - k);
-      const __m512i v = e2m1_to_bf16(_mm_maskz_loadu_epi8(byte_lanes(mask), row + k / 2));
-      const __m512 s = _mm512_set1_ps(ue8m0[scale[g]]);
-      // exact products; the RNE conversion keeps subnormals (VCVTNEPS2BF16 would flush them)
-      const __m256i lo = fp32_to_bf16_rne(_mm512_mul_ps(bf16_low_to_f32(v), s));
-      const __m256i hi = fp32_to_bf16_rne(_mm512_mul_ps(bf16_high_to_f32(v), s));
-      _mm512_mask_storeu_epi16(dst + k, mask,
-                               _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
-    }
-  }
+  // exact values; the RNE conversion keeps subnormals (VCVTNEPS2BF16 would flush them)
+  dequantize_rows(W, n0, n1, out, [](uint16_t* dst, __mmask32 mask, __m512 lo, __m512 hi) {
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(fp32_to_bf16_rne(lo)),
+                                            fp32_to_bf16_rne(hi), 1);
+    _mm512_mask_storeu_epi16(dst, mask, both);
+  });
 }
 
 }  // namespace mlafx::avx512

@@ -19,12 +19,8 @@
 // picked expert's bytes read once per call, never widened in memory but for a tile of rows at
 // a time (many rows of x).
 // Python reference: models.deepseek_v4.quantized.moe_experts_fp4_reference.
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -130,31 +126,16 @@ at::Tensor moe_experts_fp4(const at::Tensor& x,             // [T, D]
   const int64_t D = x.size(1), E = w13.size(0), I = 2 * w2.size(2);
   check_fp4_weight("w13", w13, w13_scale, E, 2 * I, D);
   check_fp4_weight("w2", w2, w2_scale, E, D, I);
-  const int64_t T = x.size(0), k = topk_ids.size(1);
-  const at::Tensor ids = topk_ids.contiguous();
-  const int64_t* id_data = ids.const_data_ptr<int64_t>();
-  expert_stacks::check_ids(op, id_data, T * k, k, E);
-  at::Tensor sum = at::zeros({T, D}, x.options().dtype(at::kFloat));  // fp32 [T, D]
-  if (T * k == 0 || D == 0 || I == 0) {
-    return sum.to(x.scalar_type());
-  }
-  const at::Tensor weights = topk_weights.contiguous();
-  const Routing routing = group_by_expert(id_data, T * k, E, expert_stacks::kMaxStreamingPairs);
-  const Fp4Stacks pb{k,
-                     D,
-                     I,
-                     limit,
-                     static_cast<const uint8_t*>(w13.const_data_ptr()),
-                     static_cast<const uint8_t*>(w13_scale.const_data_ptr()),
-                     static_cast<const uint8_t*>(w2.const_data_ptr()),
-                     static_cast<const uint8_t*>(w2_scale.const_data_ptr()),
-                     weights.const_data_ptr<float>(),
-                     sum.data_ptr<float>()};
-  const Fp8Activations xa = fp8_activations(x);  // once per call
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), op, [&] {
-    expert_stacks::run<scalar_t>(pb, routing, xa, x);
-  });
-  return sum.to(x.scalar_type());
+  const auto bytes = [](const at::Tensor& t) {
+    return static_cast<const uint8_t*>(t.const_data_ptr());
+  };
+  return expert_stacks::run_op(
+      op, x, topk_ids, topk_weights, E, I, [&](int64_t k, const float* weights, float* sum) {
+        return Fp4Stacks{k,         D,         I,
+                         limit,     bytes(w13), bytes(w13_scale),
+                         bytes(w2), bytes(w2_scale), weights,
+                         sum};
+      });
 }
 
 }  // namespace

@@ -77,10 +77,12 @@ void rows_direct_bf16(const Fp8Weight& W, const uint16_t* x, int64_t ldx, int64_
                       float* out, int64_t ldo) {
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
-    tile_bf16<MR, NR>(rows_at<NR, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx, out + n - n0, ldo);
+    tile_bf16<MR, NR>(rows_at<NR, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx,
+                      out + n - n0, ldo);
   }
   for (; n < n1; ++n) {
-    tile_bf16<MR, 1>(rows_at<1, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx, out + n - n0, ldo);
+    tile_bf16<MR, 1>(rows_at<1, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx,
+                     out + n - n0, ldo);
   }
 }
 
@@ -89,10 +91,12 @@ void rows_direct_f32(const Fp8Weight& W, const float* x, int64_t ldx, int64_t n0
                      float* out, int64_t ldo) {
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
-    tile_f32<MR, NR>(rows_at<NR, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx, out + n - n0, ldo);
+    tile_f32<MR, NR>(rows_at<NR, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx,
+                     out + n - n0, ldo);
   }
   for (; n < n1; ++n) {
-    tile_f32<MR, 1>(rows_at<1, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx, out + n - n0, ldo);
+    tile_f32<MR, 1>(rows_at<1, false>(W, n, nullptr, 0), W.K, W.block_k, x, ldx,
+                    out + n - n0, ldo);
   }
 }
 

@@ -18,11 +18,7 @@
 // The driver is expert_stacks.h's (shared with moe_experts_fp4): pairs grouped by expert, each
 // picked expert's weights read once per call.
 // Python reference: models.fp8.moe_experts_fp8_reference.
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -98,35 +94,25 @@ at::Tensor moe_experts_fp8(const at::Tensor& x,             // [T, D]
   check_fp8_weight(op, "w13", w13, w13_scale, {E}, 2 * I, D, block_n, block_k,
                    2 * ((I + block_n - 1) / block_n));
   check_fp8_weight(op, "w2", w2, w2_scale, {E}, D, I, block_n, block_k);
-  const int64_t T = x.size(0), k = topk_ids.size(1);
-  const at::Tensor ids = topk_ids.contiguous();
-  const int64_t* id_data = ids.const_data_ptr<int64_t>();
-  expert_stacks::check_ids(op, id_data, T * k, k, E);
-  at::Tensor sum = at::zeros({T, D}, x.options().dtype(at::kFloat));  // fp32 [T, D]
-  if (T * k == 0 || D == 0 || I == 0) {
-    return sum.to(x.scalar_type());
-  }
-  const at::Tensor weights = topk_weights.contiguous();
-  const Routing routing = group_by_expert(id_data, T * k, E, expert_stacks::kMaxStreamingPairs);
-  const Fp8Stacks pb{k,
-                     D,
-                     I,
-                     limit,
-                     block_n,
-                     block_k,
-                     static_cast<const uint8_t*>(w13.const_data_ptr()),
-                     w13_scale.const_data_ptr<float>(),
-                     static_cast<const uint8_t*>(w2.const_data_ptr()),
-                     w2_scale.const_data_ptr<float>(),
-                     w13_scale.stride(0),
-                     w2_scale.stride(0),
-                     weights.const_data_ptr<float>(),
-                     sum.data_ptr<float>()};
-  const Fp8Activations xa = fp8_activations(x);  // once per call
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), op, [&] {
-    expert_stacks::run<scalar_t>(pb, routing, xa, x);
-  });
-  return sum.to(x.scalar_type());
+  const auto* w13_bytes = static_cast<const uint8_t*>(w13.const_data_ptr());
+  const auto* w2_bytes = static_cast<const uint8_t*>(w2.const_data_ptr());
+  return expert_stacks::run_op(
+      op, x, topk_ids, topk_weights, E, I, [&](int64_t k, const float* weights, float* sum) {
+        return Fp8Stacks{k,
+                         D,
+                         I,
+                         limit,
+                         block_n,
+                         block_k,
+                         w13_bytes,
+                         w13_scale.const_data_ptr<float>(),
+                         w2_bytes,
+                         w2_scale.const_data_ptr<float>(),
+                         w13_scale.stride(0),
+                         w2_scale.stride(0),
+                         weights,
+                         sum};
+      });
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // The (token, choice) pairs of a routed-experts call grouped by expert: shared by
-// moe_experts (moe.cpp) and moe_experts_quantized (quant_moe.cpp). Portable sources only.
+// moe_experts (moe.cpp), moe_experts_quantized (quant_moe.cpp) and the stored expert stacks
+// (expert_stacks.h). Portable sources only.
 #pragma once
 
 #include <algorithm>
@@ -80,6 +81,24 @@ void run_in_expert_order(const Routing& routing, Stream&& stream, Gemm&& gemm) {
   }
   if (s < streaming.size()) {
     stream(streaming.subspan(s));
+  }
+}
+
+// sum[t(p)] += weight(p) * round(y[j]) over columns [d0, d1) for the group's pairs (y's row j is
+// the group's j-th pair, columns from d0 at y), rounding to scalar_t as the experts' semantics
+// do. `Problem` has num_pairs_per_token, hidden, weights (topk_weights [T, k]) and sum (fp32
+// [T, D]).
+template <typename scalar_t, typename Problem>
+void add_weighted_rows(const Problem& pb, const Routing& routing, const ExpertGroup& group,
+                       const float* y, int64_t ld, int64_t d0, int64_t d1) {
+  for (int64_t j = 0; j < group.size(); ++j) {
+    const int64_t pair = routing.sorted_pairs[group.begin + j];
+    float* dst = pb.sum + (pair / pb.num_pairs_per_token) * pb.hidden;
+    const float weight = pb.weights[pair];
+    const float* src = y + j * ld - d0;
+    for (int64_t d = d0; d < d1; ++d) {
+      dst[d] += static_cast<float>(static_cast<scalar_t>(src[d])) * weight;
+    }
   }
 }
 

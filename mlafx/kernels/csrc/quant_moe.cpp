@@ -71,21 +71,6 @@ struct Problem {
 
 int64_t blocks_of(int64_t rows) { return (rows + kRows - 1) / kRows; }
 
-// sum[t(p)] += weight(p) * round(y[j]) over columns [d0, d1) for the group's pairs.
-template <typename scalar_t>
-void add_weighted_rows(const Problem& pb, const Routing& routing, const ExpertGroup& group,
-                       const float* y, int64_t ld, int64_t d0, int64_t d1) {
-  for (int64_t j = 0; j < group.size(); ++j) {
-    const int64_t pair = routing.sorted_pairs[group.begin + j];
-    float* dst = pb.sum + (pair / pb.num_pairs_per_token) * pb.hidden;
-    const float weight = pb.weights[pair];
-    const float* src = y + j * ld - d0;
-    for (int64_t d = d0; d < d1; ++d) {
-      dst[d] += static_cast<float>(static_cast<scalar_t>(src[d])) * weight;
-    }
-  }
-}
-
 template <typename scalar_t>
 void run_streaming(const Problem& pb, const Routing& routing,
                    std::span<const ExpertGroup> streaming, const QuantizedActivations& xq,
