@@ -100,11 +100,13 @@ def test_matches_references(T, D, inter, E, k, dtype, limit, repeat, strided, se
     _assert_close(moe_experts_fp4(*args), args)
 
 
-@pytest.mark.parametrize("pairs", [8, 16, 17, 70])
+@pytest.mark.parametrize("pairs", [8, 9, 16, 17, 70])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_streaming_and_gemm_paths(pairs, dtype):
-    """One expert with ``pairs`` pairs: up to 16 stream (8 rows a tile), 17 take the per-expert
-    path on widened weight tiles, 70 the fp32 GEMM over the dequantized weight."""
+    """One expert with ``pairs`` pairs: up to 16 stream (bf16: up to 8 rows the few-rows
+    kernel, from 9 AMX tiles where the CPU has them, else widened weight tiles), more take the
+    per-expert path (AMX tiles, else the bf16 GEMM from 16 rows; fp32: widened tiles, the fp32
+    GEMM from 64)."""
     gen = torch.Generator().manual_seed(pairs)
     x, ids, *rest = _case(pairs + 3, 200, 72, 2, 1, dtype, gen, limit=0.5)
     ids[:pairs] = 0
@@ -185,18 +187,21 @@ def _run_probe(tmp_path, name, **env_vars):
 
 
 def test_every_isa_path_within_the_bound(tmp_path):
-    """The best path this CPU has and the portable one (MLAFX_DISABLE_AVX512=1) on the same
-    cases: 1/8/33/70 rows on one expert (the streaming, widened-tile and GEMM paths), every
-    dtype, partial groups (K = 200 and 72), strided rows."""
+    """The best path this CPU has (AMX tiles from 9 rows where it has them), the AVX-512 one
+    without tiles (MLAFX_DISABLE_AMX=1: widened weight tiles, the bf16 GEMM) and the portable
+    one (MLAFX_DISABLE_AVX512=1) on the same cases: 1/8/12/33/70 rows on one expert (the few-rows
+    kernel, the streaming pass on tiles, the per-expert path), every dtype, partial groups and
+    chunks (K = 200 and 72), strided rows."""
     gen = torch.Generator().manual_seed(5)
     cases = []
-    for t in (1, 8, 33, 70):
+    for t in (1, 8, 12, 33, 70):
         for dtype in FLOAT_DTYPES:
             x, ids, *rest = _case(t, 200, 72, 2, 1, dtype, gen, limit=0.5, strided=True)
             cases.append((x, torch.zeros_like(ids), *rest))
     torch.save(cases, tmp_path / "in.pt")
     for name, env, isa in (
         ("best", {}, cpu_isa()),
+        ("no_amx", {"MLAFX_DISABLE_AMX": "1"}, cpu_isa().replace("avx512_amx", "avx512_bf16")),
         ("portable", {"MLAFX_DISABLE_AVX512": "1", "MLAFX_DISABLE_AVX2": "1"}, "portable"),
     ):
         child_isa, outs = _run_probe(tmp_path, name, **env)

@@ -39,6 +39,13 @@ const float* ue8m0_table();
 void fp4_dot(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1, float* out,
              int64_t ldo);
 
+// Whether M bf16 rows of x take the AMX tile kernel (fp4_dot_amx_avx512.cpp): the CPU has
+// AMX-BF16 (and MLAFX_DISABLE_AMX leaves it on) and M >= kFp4AmxMinRows (up to 8 rows the
+// few-rows AVX-512 kernel streams the bytes as fast; 6 Dec 2026, Xeon). Such rows are staged
+// by avx512::fp4_stage_tiles; fewer (M <= 8) by avx512::fp4_stage_rows.
+constexpr int64_t kFp4AmxMinRows = 9;
+bool fp4_uses_amx(int64_t M);
+
 // out[(n - n0) * K + k] = w[n, k] in fp32 (exact) for n0 <= n < n1. Single-threaded.
 void fp4_dequantize(const Fp4Weight& w, int64_t n0, int64_t n1, float* out);
 // The same as bf16 bits, also exact: e2m1 has 2 significant bits and bf16 fp32's exponent
@@ -65,5 +72,14 @@ int64_t fp4_staged_ld(int64_t K);
 // Stages M bf16 rows of x (row stride ldx, K columns) at out (M * fp4_staged_ld(K) elements,
 // 64-byte aligned).
 void fp4_stage_rows(const uint16_t* x, int64_t ldx, int64_t K, int64_t M, uint16_t* out);
+
+// The AMX kernel's B tiles of M rows of x (fp4_dot_amx_avx512.cpp): per 16 rows (zeros past
+// M) and 32 columns (zeros past K) one tile of 16 column pairs x 16 rows, fp4_tile_elements
+// bf16 elements, 64-byte aligned. Call only when use_amx_bf16().
+int64_t fp4_tile_elements(int64_t M, int64_t K);
+void fp4_stage_tiles(const uint16_t* x, int64_t ldx, int64_t K, int64_t M, uint16_t* tiles);
+// fp4_dot's contract for bf16 rows staged so in x.tiles; call only when fp4_uses_amx(M).
+void fp4_dot_amx(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
+                 float* out, int64_t ldo);
 
 }  // namespace mlafx::avx512

@@ -44,6 +44,8 @@ void fp4_dot_portable(const Fp4Weight& W, const Fp8Rows& x, int64_t M, int64_t n
 
 }  // namespace
 
+bool fp4_uses_amx(int64_t M) { return M >= kFp4AmxMinRows && use_amx_bf16(); }
+
 const float* ue8m0_table() {
   static const std::array<float, 256> table = [] {
     std::array<float, 256> t{};

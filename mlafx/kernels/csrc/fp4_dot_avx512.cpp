@@ -269,9 +269,13 @@ void fp4_stage_rows(const uint16_t* x, int64_t ldx, int64_t K, int64_t M, uint16
 
 void fp4_dot_bf16(const Fp4Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
                   float* out, int64_t ldo) {
+  if (x.tiles != nullptr && fp4_uses_amx(M)) {
+    fp4_dot_amx(W, x, M, n0, n1, out, ldo);
+    return;
+  }
   if (M <= 8) {
     const int64_t ldp = fp4_staged_ld(W.K);
-    if (x.tiles != nullptr) {
+    if (x.tiles != nullptr) {  // staged by fp4_stage_rows
       rows_few(M, W, x.tiles, ldp, n0, n1, out, ldo);
       return;
     }

@@ -23,6 +23,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -30,6 +31,7 @@
 #include "expert_stacks.h"
 #include "fp4.h"
 #include "fp8_aten.h"
+#include "parallel_chunks.h"
 
 namespace mlafx {
 namespace {
@@ -98,15 +100,37 @@ struct Fp4Stacks {
     fp4_product_f32(w, x, M, N, out, ldo);
   }
   int64_t row_grain(int64_t K) const { return fp8_row_grain(K / 2); }
-  // few rows (the streaming groups) staged once per call in the AVX-512 kernel's order
-  bool uses_tiles(int64_t M) const { return M <= 8 && use_avx512_bf16(); }
+  // bf16 rows staged once per call in the kernel's order: AMX tiles (fp4_uses_amx), else up to
+  // 8 rows for the AVX-512 few-rows kernel
+  bool uses_tiles(int64_t M) const {
+    return use_avx512_bf16() && (fp4_uses_amx(M) || M <= 8);
+  }
   at::Tensor empty_staging(int64_t M, int64_t K) const {
-    return at::empty({M * avx512::fp4_staged_ld(K)}, at::kShort);  // 64-byte aligned (ATen)
+    const int64_t elements = fp4_uses_amx(M) ? avx512::fp4_tile_elements(M, K)
+                                             : M * avx512::fp4_staged_ld(K);
+    return at::empty({elements}, at::kShort);  // 64-byte aligned (ATen's CPU allocator)
   }
   void stage_rows(const Fp8Rows& rows, int64_t M, int64_t K, uint16_t* tiles) const {
-    avx512::fp4_stage_rows(rows.bf16, rows.ld, K, M, tiles);
+    if (fp4_uses_amx(M)) {
+      avx512::fp4_stage_tiles(rows.bf16, rows.ld, K, M, tiles);
+    } else {
+      avx512::fp4_stage_rows(rows.bf16, rows.ld, K, M, tiles);
+    }
   }
-  void stage(Fp8Activations&) const {}  // product() takes more than 8 rows: no staging
+  // an expert's many rows for product(): AMX tiles, 16 rows of x per thread chunk
+  void stage(Fp8Activations& a) const {
+    if (!a.is_bf16 || a.cols == 0 || !fp4_uses_amx(a.rows)) {
+      return;
+    }
+    a.tiles = empty_staging(a.rows, a.cols);
+    auto* tiles = reinterpret_cast<uint16_t*>(a.tiles.data_ptr<int16_t>());
+    const int64_t per_block = avx512::fp4_tile_elements(16, a.cols);
+    const Fp8Rows rows = a.view();
+    mlafx::parallel_chunks(0, (a.rows + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+      avx512::fp4_stage_tiles(rows.bf16 + b0 * 16 * rows.ld, rows.ld, a.cols,
+                              std::min(a.rows, b1 * 16) - b0 * 16, tiles + b0 * per_block);
+    });
+  }
 };
 
 at::Tensor moe_experts_fp4(const at::Tensor& x,             // [T, D]

@@ -73,10 +73,10 @@ bool fp8_uses_gemm(int64_t M, const Fp8Rows& x);
 void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
                      int64_t ldo);
 
-// The same over an FP4 weight (fp4.h): fp4_dot in parallel over its rows; from
-// kFp4Bf16GemmRows bf16 rows of x the weight dequantized to bf16 (exact) a tile of rows at a
-// time and a bf16 GEMM (at::mm: oneDNN, AMX where the CPU has it), whose fp32 sums come out
-// rounded to bf16 (as the experts round them anyway); fp32 rows from kFp8GemmRows the fp32
+// The same over an FP4 weight (fp4.h): fp4_dot in parallel over its rows (rows staged in
+// x.tiles: the AMX kernel); else from kFp4Bf16GemmRows bf16 rows of x the weight dequantized to
+// bf16 (exact) a tile of rows at a time and a bf16 GEMM (at::mm: oneDNN), whose fp32 sums come
+// out rounded to bf16 (as the experts round them anyway); fp32 rows from kFp8GemmRows the fp32
 // GEMM.
 constexpr int64_t kFp4Bf16GemmRows = 16;
 void fp4_product_f32(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,

@@ -250,7 +250,7 @@ void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N,
 
 void fp4_product_f32(const Fp4Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
                      int64_t ldo) {
-  if (x.bf16 == nullptr || M < kFp4Bf16GemmRows) {
+  if (x.bf16 == nullptr || M < kFp4Bf16GemmRows || x.tiles != nullptr) {  // tiles: AMX
     product_f32(w, x, M, N, out, ldo);
     return;
   }
