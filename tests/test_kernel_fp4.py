@@ -115,33 +115,43 @@ def test_streaming_and_gemm_paths(pairs, dtype):
     _assert_close(moe_experts_fp4(*args), args)
 
 
-def test_quantized_weights_and_scale_extremes():
+@pytest.mark.parametrize("per_expert", [2, 12], ids=["few-rows", "tiles"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_weights_and_scale_extremes(per_expert, dtype):
     """Weights from ``quantize_fp4`` (the published scales: a power of two per group), and
-    scale bytes at the ends of ue8m0: 0 (2^-127, subnormal weights), 250 (2^123, over codes
-    of 0.5, so the outputs stay finite), and 255 (NaN) in one group of one expert, which must
-    make exactly the tokens routed there NaN."""
+    scale bytes at the ends of ue8m0: 0 and 1 (2^-127, 2^-126: subnormal weights), 250 (2^123,
+    over codes of 0.5, so the outputs stay finite), and 255 (NaN) in one group of one expert,
+    which must make exactly the tokens routed there NaN. bf16 x takes the kernels that fold a
+    scale into the bf16 exponents (2 rows an expert: the few-rows kernel; 12: AMX tiles where
+    the CPU has them), which send the other scales through fp32."""
     gen = torch.Generator().manual_seed(7)
     D, inter, E = 64, 64, 3
     w13, s13 = quantize_fp4(torch.randn(E, 2 * inter, D, generator=gen) * D**-0.5)
     w2, s2 = quantize_fp4(torch.randn(E, D, inter, generator=gen) * inter**-0.5)
     s13, s2 = s13.view(torch.uint8).clone(), s2.view(torch.uint8).clone()
-    x = torch.randn(6, D, generator=gen)
-    ids = torch.tensor([[0], [1], [2], [0], [1], [2]])
-    weights = torch.ones(6, 1)
+    x = torch.randn(3 * per_expert, D, generator=gen).to(dtype)
+    ids = torch.arange(3).repeat(per_expert).view(-1, 1)
+    weights = torch.ones(3 * per_expert, 1)
     args = (x, ids, weights, w13, s13, w2, s2, math.inf)
     _assert_close(moe_experts_fp4(*args), args)
-    s13[0, :, 0] = 0  # expert 0: its gate/up's first group underflows to subnormal weights
+    s13[0, :, 0] = 0  # expert 0: its gate/up's first group underflows to subnormal weights ...
+    s13[0, :, 1] = 1  # ... and its second nearly
     s2[1, 3, 1] = 250  # expert 1: one output's second group at 2^123 ...
     w2.view(torch.uint8)[1, 3, 16:32] = 0x11  # ... over weights of 0.5: 2^122
     s13[2, 5, 1] = 255  # expert 2: NaN
+    x[ids[:, 0] == 0] *= 2.0**120  # so that expert 0's subnormal weights give g, u of ~0.1
     out = moe_experts_fp4(x, ids, weights, w13, s13, w2, s2)
     ref = moe_experts_fp4_reference(x, ids, weights, w13, s13, w2, s2)
     nan = ref.isnan().any(dim=1)
-    assert nan.tolist() == [False, False, True, False, False, True]
+    assert torch.equal(nan, ids[:, 0] == 2)
     assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
-    assert bool(ref[[1, 4], 3].abs().min() > 1e30) and not bool(ref[~nan].isinf().any())
+    assert bool(ref[ids[:, 0] == 1, 3].float().abs().min() > 1e30)
+    assert not bool(ref[~nan].isinf().any())
     ok = ~nan
-    torch.testing.assert_close(out[ok], ref[ok], atol=1e-4 * ref[ok].abs().median(), rtol=1e-4)
+    tol = TOLERANCE[dtype]
+    assert bool(ref[ids[:, 0] == 0].float().abs().max() > 1e-3)  # the subnormals mattered
+    scale = ref[ids[:, 0] == 1, :3].float().abs().median()
+    torch.testing.assert_close(out[ok].float(), ref[ok].float(), atol=tol * scale, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)

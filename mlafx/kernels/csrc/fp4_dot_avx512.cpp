@@ -224,6 +224,24 @@ void widen_row(const Fp4Weight& W, int64_t n, uint16_t* dst) {
 
 constexpr int64_t kTileRows = 16;  // weight rows widened to bf16 at once (M > 8)
 
+// Whether a scale byte of rows [n0, n1) is 0 or 1 (2^-127, 2^-126: the scaled weights are
+// subnormal in bf16). 1/16 of the weight's bytes, read once per call of the tile kernel.
+bool has_subnormal_scales(const Fp4Weight& W, int64_t n0, int64_t n1) {
+  const int64_t groups = (W.K + kFp4Group - 1) / kFp4Group;
+  const __m512i two = _mm512_set1_epi8(2);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* scale = W.scale + n * W.lds;
+    for (int64_t g = 0; g < groups; g += 64) {
+      const int64_t left = groups - g;
+      const __mmask64 mask = left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+      if (_mm512_mask_cmplt_epu8_mask(mask, _mm512_maskz_loadu_epi8(mask, scale + g), two) != 0) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
 // 64-byte aligned bf16 storage (the staged rows' loads are aligned).
 struct AlignedRows {
   explicit AlignedRows(size_t count)
@@ -270,8 +288,12 @@ void fp4_stage_rows(const uint16_t* x, int64_t ldx, int64_t K, int64_t M, uint16
 void fp4_dot_bf16(const Fp4Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
                   float* out, int64_t ldo) {
   if (x.tiles != nullptr && fp4_uses_amx(M)) {
-    fp4_dot_amx(W, x, M, n0, n1, out, ldo);
-    return;
+    if (!has_subnormal_scales(W, n0, n1)) {
+      fp4_dot_amx(W, x, M, n0, n1, out, ldo);
+      return;
+    }
+    // scale bytes 0 and 1 make subnormal bf16 weights, which the tile unit counts as zero: the
+    // rows as they lie (x.bf16) through the widened tiles, which scale in fp32
   }
   if (M <= 8) {
     const int64_t ldp = fp4_staged_ld(W.K);
