@@ -12,6 +12,7 @@ the entries ``w < (p + 1) // m``; a CSA layer's indexer picks ``index_topk`` of 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,14 +32,18 @@ class SparsePool:
     table         [B, M'] int32  pool blocks of each sequence
     lens          [B] int32      entries closed once the step is done
     last_visible  [T] int64      ``(p + 1) // m - 1``: the last entry each query may read
-    visible       [T, E] int64   every entry each query may read, ascending, -1 padded (what
-                                 an HCA layer attends to)
+    visible       [T, E] int64   every entry each query may read, -1 where it may not (what an
+                                 HCA layer attends to; made on first use, once per step)
     """
 
     table: torch.Tensor
     lens: torch.Tensor
     last_visible: torch.Tensor
-    visible: torch.Tensor
+
+    @functools.cached_property
+    def visible(self) -> torch.Tensor:
+        entries = torch.arange(int(self.lens.max()) if self.lens.numel() else 0)
+        return torch.where(entries[None, :] <= self.last_visible[:, None], entries[None, :], -1)
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,8 @@ class SparseStep:
     query_start_loc [B + 1] int32  each sequence's first new token
     block_table     [B, M] int32   token cache blocks of each sequence
     kv_lens         [B] int32      tokens cached once the step is done
-    window          [T, W] int64   each query's window positions ``p - W < j <= p``, -1 padded
+    window          [T, W] int64   each query's window positions ``p - W < j <= p``, -1 for
+                                   those before the sequence's start
     pools           one ``SparsePool`` per compression rate (``rate`` -> pool)
     """
 
@@ -59,35 +65,29 @@ class SparseStep:
     pools: dict[int, SparsePool]
 
 
-def _padded(rows: list[list[int]], width: int) -> torch.Tensor:
-    return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64).view(
-        len(rows), width
-    )
+def _tables(rows: list[list[int]]) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    padded = [r + [0] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int32).view(len(rows), width)
 
 
-def _pool(seqs: Sequence[SequenceStep], rate: int, block_size: int) -> SparsePool:
+def _pool(
+    seqs: Sequence[SequenceStep], positions: torch.Tensor, rate: int, block_size: int
+) -> SparsePool:
     pool_rows_per_block(rate, block_size)  # ValueError unless one divides the other
-    tables, lens, last, visible = [], [], [], []
+    tables = []
     for s in seqs:
-        end = s.context + s.new_tokens
         if block_size % rate == 0:  # the pool pages with the tokens
             tables.append(list(s.block_table))
         else:  # one entry a block: the block of the entry's last token
+            closed = (s.context + s.new_tokens) // rate
             tables.append(
-                [s.block_table[(w * rate + rate - 1) // block_size] for w in range(end // rate)]
+                [s.block_table[(w * rate + rate - 1) // block_size] for w in range(closed)]
             )
-        lens.append(end // rate)
-        for p in range(s.context, end):
-            last.append((p + 1) // rate - 1)
-            visible.append(list(range((p + 1) // rate)))
-    width = max((len(t) for t in tables), default=0)
     return SparsePool(
-        table=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(
-            len(seqs), width
-        ),
-        lens=torch.tensor(lens, dtype=torch.int32),
-        last_visible=torch.tensor(last, dtype=torch.int64),
-        visible=_padded(visible, max((len(v) for v in visible), default=0)),
+        table=_tables(tables),
+        lens=torch.tensor([(s.context + s.new_tokens) // rate for s in seqs], dtype=torch.int32),
+        last_visible=(positions + 1) // rate - 1,
     )
 
 
@@ -95,19 +95,17 @@ def sparse_step(
     seqs: Sequence[SequenceStep], block_size: int, sliding_window: int, rates: Sequence[int]
 ) -> SparseStep:
     """The sparse step inputs of ``seqs`` (see the module docstring)."""
-    starts, windows = [0], []
-    for s in seqs:
-        starts.append(starts[-1] + s.new_tokens)
-        for p in range(s.context, s.context + s.new_tokens):
-            windows.append(list(range(max(0, p - sliding_window + 1), p + 1)))
-    width = max(len(t) for t in (s.block_table for s in seqs)) if seqs else 0
+    new = torch.tensor([s.new_tokens for s in seqs], dtype=torch.int64)
+    starts = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    starts[1:] = new.cumsum(0)
+    context = torch.tensor([s.context for s in seqs], dtype=torch.int64)
+    seq_of = torch.repeat_interleave(torch.arange(len(seqs)), new)
+    positions = context[seq_of] + torch.arange(int(starts[-1])) - starts[:-1][seq_of]  # [T]
+    window = positions[:, None] - (sliding_window - 1) + torch.arange(sliding_window)[None, :]
     return SparseStep(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        block_table=torch.tensor(
-            [list(s.block_table) + [0] * (width - len(s.block_table)) for s in seqs],
-            dtype=torch.int32,
-        ).view(len(seqs), width),
-        kv_lens=torch.tensor([s.context + s.new_tokens for s in seqs], dtype=torch.int32),
-        window=_padded(windows, sliding_window),
-        pools={m: _pool(seqs, m, block_size) for m in sorted(set(rates))},
+        query_start_loc=starts.to(torch.int32),
+        block_table=_tables([list(s.block_table) for s in seqs]),
+        kv_lens=(context + new).to(torch.int32),
+        window=window.masked_fill(window < 0, -1),
+        pools={m: _pool(seqs, positions, m, block_size) for m in sorted(set(rates))},
     )
