@@ -103,7 +103,7 @@ def moe_experts_fp8(
     """Routed experts over block FP8 weights -> [T, D] in x's dtype, as
     ``moe_experts_quantized`` with each product ``linear_fp8``
     (``models.fp8.moe_experts_fp8_reference``); with ``swiglu_limit`` the SwiGLU's inputs
-    clamped as DeepSeek-V4's (``models.moe.clamped_swiglu``). An id outside ``[0, E)`` raises
+    clamped as DeepSeek-V4's (``moe_reference.clamped_swiglu``). An id outside ``[0, E)`` raises
     ``IndexError``."""
     return torch.ops.mlafx.moe_experts_fp8(
         x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, block[0], block[1], swiglu_limit

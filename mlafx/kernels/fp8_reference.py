@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mlafx.kernels.fp8_format import dequantize_fp8, dequantize_gate_up
-from mlafx.models.moe import clamped_swiglu
+from mlafx.kernels.moe_reference import clamped_swiglu
 
 
 def linear_fp8_f64(

@@ -1,9 +1,18 @@
-"""Slow, obviously correct reference for ``mlafx::moe_experts`` (tests compare with it)."""
+"""Slow, obviously correct reference for ``mlafx::moe_experts`` (tests compare with it), and the
+SwiGLU every experts op and reference shares (``clamped_swiglu``)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``silu(min(g, limit)) * clamp(u, -limit, limit)`` (DeepSeek-V4's experts); ``limit``
+    None: the plain ``silu(g) * u``."""
+    if limit is None:
+        return F.silu(gate) * up
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def moe_experts_ref(

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlafx.kernels.fp8_format import dequantize_fp8, dequantize_gate_up, linear_fp8_reference
-from mlafx.models.moe import check_expert_ids, clamped_swiglu, grouped_by_expert
+from mlafx.kernels.moe_reference import clamped_swiglu
+from mlafx.models.moe import check_expert_ids, grouped_by_expert
 
 
 class Fp8Linear(nn.Module):

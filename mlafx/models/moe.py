@@ -117,14 +117,6 @@ def check_expert_ids(topk_ids: torch.Tensor, num_experts: int) -> None:
         raise IndexError(f"topk_ids out of range for {num_experts} experts")
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """``silu(min(g, limit)) * clamp(u, -limit, limit)`` (DeepSeek-V4's experts); ``limit``
-    None: the plain ``silu(g) * u``."""
-    if limit is None:
-        return F.silu(gate) * up
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
 def grouped_by_expert(
     x: torch.Tensor,  # [T, D]
     topk_ids: torch.Tensor,  # [T, k]

@@ -12,11 +12,13 @@
 // scales the 4 vectors' fp32 sums by [s0 x4, s1 x4, s2 x4, s3 x4] (the 4 scale bytes as fp32
 // 2^(s - 127): a broadcast from memory, a byte shuffle and a shift).
 //
-// Many rows (prefill, 9-63 rows; from 64 the product dequantizes to bf16 for a GEMM): a tile
-// of weight rows widened to a bf16 scratch once (16 bytes zero-extended to 16 dwords d,
-// (d | d << 12) & 0x000F000F puts element 2j in word 2j and 2j + 1 in word 2j + 1, one VPERMW),
-// reused for every group of 8 rows of x in the register tiles of block_dot_avx512.h. fp32 x
-// takes those tiles too (two FMAs per 32 widened weights).
+// More rows go to AMX tiles where the CPU has them (fp4_dot_amx_avx512.cpp); else (and for
+// rows whose scales make subnormal weights, which the tiles flush) a tile of weight rows is
+// widened to a bf16 scratch once (16 bytes zero-extended to 16 dwords d, (d | d << 12) &
+// 0x000F000F puts element 2j in word 2j and 2j + 1 in word 2j + 1, one VPERMW) and reused for
+// every group of 8 rows of x in the register tiles of block_dot_avx512.h (from 16 rows of an
+// expert the product dequantizes to bf16 for oneDNN's GEMM instead: fp8_linear.cpp). fp32 x
+// takes those register tiles too (two FMAs per 32 widened weights).
 #include <immintrin.h>
 
 #include <algorithm>

@@ -165,9 +165,10 @@ class V4Attention(nn.Module):
         comp = self.compressor
         if comp is not None and pool_cache is not None:
             paged = sparse.pools[comp.rate]
-            selected = paged.visible
-            if comp.indexer is not None:
+            if comp.indexer is not None:  # CSA: the indexer's top-k
                 selected = comp.indexer.select_paged(x, q_latent, caches[4], meta, self.rotary)
+            else:  # HCA: every visible entry
+                selected = paged.visible
             pool = (pool_cache, paged.table, paged.lens, selected)
         window = caches[0]
         return v4_sparse_attention(

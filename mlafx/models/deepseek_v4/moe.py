@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlafx.config.deepseek_v4 import DeepseekV4Config
-from mlafx.models.moe import clamped_swiglu, grouped_by_expert
+from mlafx.kernels.moe_reference import clamped_swiglu
+from mlafx.models.moe import grouped_by_expert
 
 
 def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:

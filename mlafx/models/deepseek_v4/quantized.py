@@ -21,9 +21,10 @@ from mlafx.kernels.fp4_format import dequantize_fp4
 from mlafx.kernels.fp4_ops import moe_experts_fp4
 from mlafx.kernels.fp8_format import dequantize_fp8, dequantize_gate_up
 from mlafx.kernels.fp8_ops import linear_fp8, moe_experts_fp8
+from mlafx.kernels.moe_reference import clamped_swiglu
 from mlafx.models.deepseek_v4.attention import grouped_linear
 from mlafx.models.fp8 import Fp8Linear
-from mlafx.models.moe import check_expert_ids, clamped_swiglu, grouped_by_expert
+from mlafx.models.moe import check_expert_ids, grouped_by_expert
 
 
 class Fp8KernelLinear(Fp8Linear):
