@@ -80,7 +80,8 @@ class V4StepMetadata:
     pools          one ``PoolStep`` per compression rate the model uses (``rate`` ascending)
     sparse         the same step as paged caches and per-query positions
                    (``sparse_step.py``): given, attention runs on mlafx's ops instead of the
-                   reference's dense masks
+                   reference's dense masks, and the fields only those read (``key_*``, the
+                   pools' ``entry_*``) are empty
     """
 
     positions: torch.Tensor
@@ -113,8 +114,9 @@ def _pool_slot(block_table: Sequence[int], entry: int, rate: int, block_size: in
 
 
 def _pool_step(
-    seqs: Sequence[SequenceStep], rate: int, block_size: int, long: torch.dtype
+    seqs: Sequence[SequenceStep], rate: int, block_size: int, long: torch.dtype, entries: bool
 ) -> PoolStep:
+    """The pool's closing entries; ``entries``: also every readable one (the dense path's)."""
     close_slots, sources, has_prev, close_pos = [], [], [], []
     entry_slots, entry_seq, entry_idx = [], [], []
     for b, s in enumerate(seqs):
@@ -128,7 +130,7 @@ def _pool_step(
             )
             has_prev.append(w > 0)
             close_pos.append(w * rate)
-        for w in range(end // rate):
+        for w in range(end // rate if entries else 0):
             entry_slots.append(_pool_slot(bt, w, rate, block_size))
             entry_seq.append(b)
             entry_idx.append(w)
@@ -151,8 +153,9 @@ def v4_step_metadata(
     rates: Sequence[int],
     sparse: bool = False,
 ) -> V4StepMetadata:
-    """The step inputs of ``seqs`` (see the module docstring); with ``sparse`` also the
-    paged form attention takes on mlafx's ops (``sparse_step.py``)."""
+    """The step inputs of ``seqs`` (see the module docstring); with ``sparse`` the paged form
+    attention takes on mlafx's ops (``sparse_step.py``) instead of the dense key and entry
+    lists."""
     long = torch.int64
     positions, slots, seq_ids, key_slots, key_seq, key_pos = [], [], [], [], [], []
     for b, s in enumerate(seqs):
@@ -163,7 +166,7 @@ def v4_step_metadata(
             positions.append(p)
             slots.append(_token_slot(s.block_table, p, block_size))
             seq_ids.append(b)
-        for p in range(max(0, s.context - sliding_window + 1), end):
+        for p in range(max(0, s.context - sliding_window + 1), end if not sparse else 0):
             key_slots.append(_token_slot(s.block_table, p, block_size))
             key_seq.append(b)
             key_pos.append(p)
@@ -174,6 +177,8 @@ def v4_step_metadata(
         key_slots=torch.tensor(key_slots, dtype=long),
         key_seq_ids=torch.tensor(key_seq, dtype=long),
         key_positions=torch.tensor(key_pos, dtype=long),
-        pools=tuple(_pool_step(seqs, m, block_size, long) for m in sorted(set(rates))),
+        pools=tuple(
+            _pool_step(seqs, m, block_size, long, entries=not sparse) for m in sorted(set(rates))
+        ),
         sparse=sparse_step(seqs, block_size, sliding_window, rates) if sparse else None,
     )
