@@ -6,13 +6,12 @@
 // weight rows x 32 k) and x's rows, staged once per op call, the B tiles (16 k pairs x 16 rows of
 // x), C = 16 weight rows x 16 rows of x in fp32. Each tile of 16 weight rows is decoded a panel
 // of columns at a time into a bf16 staging area that stays in L1, 128 weights (64 bytes) a
-// load as the few-rows kernel does (fp4_dot_avx512.cpp: 4 VPERMW lookups of 4-nibble words,
-// vector j holding elements 4i + j; x's tiles are staged in the same column order); each
-// group's scale is folded into its bf16 weights (e2m1 * 2^(s - 127) is exact in bf16: 2
-// significant bits, fp32's exponent range; for 2 <= s <= 252 an add to the exponent field of
-// the nonzero values), so a panel's products need no scaling: C tiles per panel and 16 rows of
-// x, added into fp32 totals. The result differs from the other kernels only in the fp32
-// summation order.
+// load as fp4_avx512.h decodes them (vector j holding elements 4i + j; x's tiles are staged in
+// the same column order); each group's scale is folded into its bf16 weights (e2m1 *
+// 2^(s - 127) is exact in bf16: 2 significant bits, fp32's exponent range; for 2 <= s <= 252
+// an add to the exponent field of the nonzero values), so a panel's products need no scaling:
+// C tiles per panel and 16 rows of x, added into fp32 totals. The result differs from the
+// other kernels only in the fp32 summation order.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -22,6 +21,7 @@
 #include "bf16_avx512.h"
 #include "block_dot_avx512.h"
 #include "fp4.h"
+#include "fp4_avx512.h"
 #include "scratch_buffer.h"
 #include "transpose_avx512.h"
 
@@ -33,14 +33,13 @@ namespace mlafx::avx512 {
 namespace {
 
 constexpr int64_t kTileK = 32;              // k per tile product (16 pairs): one FP4 group
-constexpr int64_t kChunk = 128;             // weights decoded per 64-byte load
 constexpr int64_t kTileRows = 16;           // weight rows per A tile, rows of x per B tile
 constexpr int64_t kTileElements = 16 * 32;  // bf16 elements of one staged tile (1 KB)
 constexpr int64_t kPanelColumns = 512;      // weight columns decoded at a time
 constexpr int64_t kRowsPerPass = 256;       // rows of x per pass over the weights
 
 // 32-column tiles of K padded to whole 128-weight chunks
-int64_t chunks_of(int64_t K) { return (K + kChunk - 1) / kChunk * (kChunk / kTileK); }
+int64_t chunks_of(int64_t K) { return (K + kFp4Chunk - 1) / kFp4Chunk * (kFp4Chunk / kTileK); }
 
 // Tiles: 0-3 accumulators (16 weight rows x 16 rows of x, fp32: two rows-of-x blocks, each
 // summing even and odd chunks apart so that consecutive products do not wait on each other),
@@ -51,23 +50,12 @@ void configure() {
   cfg.load();
 }
 
-// The 16 e2m1 codes' bf16 bits twice: VPERMW reads 5 index bits (fp4_dot_avx512.cpp).
-inline __m512i e2m1_table32() {
-  alignas(64) static const uint16_t table[32] = {
-      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,  //
-      0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,  //
-      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,  //
-      0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
-  return _mm512_load_si512(table);
-}
-
 // 128 weights (64 bytes, zeros past `bytes`) of one row, scaled by its 4 groups' ue8m0 bytes
 // (`scale`, `groups` of them left in the row; missing ones 1.0) into out[32 j + i] = weight
 // 4 i + j, exact bf16.
 inline void decode_chunk(const __m512i table, const uint8_t* src, int64_t bytes,
                          const uint8_t* scale, int64_t groups, uint16_t* out) {
-  const __mmask64 mask = bytes >= 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
-  const __m512i packed = _mm512_maskz_loadu_epi8(mask, src);
+  const __m512i packed = load_chunk(src, bytes);
   uint8_t s[4] = {127, 127, 127, 127};
   for (int64_t g = 0; g < std::min<int64_t>(groups, 4); ++g) s[g] = scale[g];
   const bool normal = s[0] - 2u <= 250u && s[1] - 2u <= 250u && s[2] - 2u <= 250u &&
@@ -80,10 +68,13 @@ inline void decode_chunk(const __m512i table, const uint8_t* src, int64_t bytes,
     }
     const __m512i spread = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1,
                                             1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    shift = _mm512_permutexvar_epi16(spread, _mm512_set1_epi64(static_cast<int64_t>(packed_shifts)));
+    const __m512i shifts = _mm512_set1_epi64(static_cast<int64_t>(packed_shifts));
+    shift = _mm512_permutexvar_epi16(spread, shifts);
   }
+  const __m512i values[4] = {chunk_values<0>(packed, table), chunk_values<1>(packed, table),
+                             chunk_values<2>(packed, table), chunk_values<3>(packed, table)};
   for (int j = 0; j < 4; ++j) {
-    __m512i v = _mm512_permutexvar_epi16(_mm512_srli_epi16(packed, 4 * j), table);
+    __m512i v = values[j];
     if (__builtin_expect(normal, 1)) {
       v = _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, _mm512_set1_epi16(0x7FFF)), v, shift);
     } else {  // through fp32: subnormal, overflowing or NaN scales
@@ -114,7 +105,7 @@ void decode_panel(const Fp4Weight& W, int64_t n, int64_t rows, int64_t k0, int64
     const uint8_t* scale = W.scale + (n + r) * W.lds;
     uint16_t* dst = staging + r * ld - k0;
     const uint8_t* next = k1 < W.K ? src + k1 / 2 : src + kTileRows * W.ldw;
-    for (int64_t k = k0; k < k1; k += kChunk) {
+    for (int64_t k = k0; k < k1; k += kFp4Chunk) {
       _mm_prefetch(reinterpret_cast<const char*>(next + (k - k0) / 2), _MM_HINT_T1);
       decode_chunk(table, src + k / 2, std::max<int64_t>(0, (W.K - k) / 2), scale + k / kTileK,
                    std::max<int64_t>(0, groups - k / kTileK), dst + k);

@@ -3,11 +3,9 @@
 // against fp32 activations, in the register tiles of block_dot_avx512.h with blocks of 32
 // columns (one ue8m0 scale each, applied once per group by one FMA).
 //
-// Few rows of x (decode, M <= 8; the bytes are the limit): 128 weights (64 bytes) at a time, read
-// as 32 words of 4 nibbles. VPERMW looks a word's low 5 bits up in a 32-entry table (the 16 bf16
-// e2m1 values twice), so the word itself decodes nibble 0 and the word shifted by 4, 8 and 12
-// nibbles 1-3: 4 lookups and 3 shifts per 128 weights, vector j holding elements 4i + j of the
-// chunk (i = 0..31). The rows of x are staged in that order once (fp4_stage_rows). VDPBF16PS
+// Few rows of x (decode, M <= 8; the bytes are the limit): 128 weights (64 bytes) at a time, as
+// fp4_avx512.h decodes them: 4 VPERMW lookups and 3 shifts, vector j holding elements 4i + j
+// of the chunk (i = 0..31). The rows of x are staged in that order once (fp4_stage_rows). VDPBF16PS
 // sums lane pairs i = 2l, 2l + 1, both in group l / 4 of the chunk's 4, so one FMA per chunk
 // scales the 4 vectors' fp32 sums by [s0 x4, s1 x4, s2 x4, s3 x4] (the 4 scale bytes as fp32
 // 2^(s - 127): a broadcast from memory, a byte shuffle and a shift).
@@ -30,24 +28,18 @@
 #include "bf16_avx512.h"
 #include "block_dot_avx512.h"
 #include "fp4.h"
+#include "fp4_avx512.h"
 
 namespace mlafx::avx512 {
 namespace {
 
 // 32 e2m1 nibbles (16 bytes, low nibble first) -> 32 bf16 (16-bit lanes), in order.
 inline __m512i e2m1_to_bf16(__m128i bytes) {
-  // bf16 bits of 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (indices 0..15)
-  const __m512i table = _mm512_set_epi16(
-      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  //
-      static_cast<int16_t>(0xC0C0), static_cast<int16_t>(0xC080), static_cast<int16_t>(0xC040),
-      static_cast<int16_t>(0xC000), static_cast<int16_t>(0xBFC0), static_cast<int16_t>(0xBF80),
-      static_cast<int16_t>(0xBF00), static_cast<int16_t>(0x8000), 0x40C0, 0x4080, 0x4040, 0x4000,
-      0x3FC0, 0x3F80, 0x3F00, 0x0000);
   const __m512i d = _mm512_cvtepu8_epi32(bytes);
   // (d | d << 12) & 0x000F000F
   const __m512i idx =
       _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
-  return _mm512_permutexvar_epi16(idx, table);
+  return _mm512_permutexvar_epi16(idx, e2m1_table32());  // idx < 16
 }
 
 // The bytes holding the valid ones of 32 elements (K is even, so whole bytes).
@@ -101,19 +93,6 @@ void rows_direct_f32(const Fp4Weight& W, const float* x, int64_t ldx, int64_t n0
   }
 }
 
-constexpr int64_t kChunk = 128;  // weights a few-rows step decodes (64 bytes of a row)
-
-// The bf16 bits of the 16 e2m1 codes (0, 0.5, 1, 1.5, 2, 3, 4, 6, -0, ..., -6), twice: VPERMW
-// reads 5 index bits, and bit 4 is the next nibble's lowest.
-inline __m512i e2m1_table32() {
-  alignas(64) static const uint16_t table[32] = {
-      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,  //
-      0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,  //
-      0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,  //
-      0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
-  return _mm512_load_si512(table);
-}
-
 inline bool has_zero_byte(uint32_t v) { return ((v - 0x01010101u) & ~v & 0x80808080u) != 0; }
 
 // The fp32 scales of a chunk's 4 groups, lane l holding group l / 4's: 2^(s - 127) is s << 23
@@ -160,19 +139,17 @@ void chunk_tile(const Fp4Weight& W, int64_t n, const uint16_t* xp, int64_t ldp, 
   for (int m = 0; m < MR; ++m) {
     for (int r = 0; r < NR; ++r) total[m][r] = _mm512_setzero_ps();
   }
-  for (int64_t k = 0; k < W.K; k += kChunk) {
-    const int64_t bytes = std::min<int64_t>(64, (W.K - k) / 2);
-    const __mmask64 mask = bytes == 64 ? ~__mmask64{0} : (__mmask64{1} << bytes) - 1;
+  for (int64_t k = 0; k < W.K; k += kFp4Chunk) {
     for (int r = 0; r < NR; ++r) {
       // the same line of the rows the next tile reads, into L2 (as fp8_dot_avx512.cpp's VBMI
       // tiles): a row is half a 4 KB page or less, and the hardware prefetchers restart at
       // every page
       _mm_prefetch(reinterpret_cast<const char*>(w[r] + NR * W.ldw + k / 2), _MM_HINT_T1);
-      const __m512i packed = _mm512_maskz_loadu_epi8(mask, w[r] + k / 2);
-      const __m512i v0 = _mm512_permutexvar_epi16(packed, table);
-      const __m512i v1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(packed, 4), table);
-      const __m512i v2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(packed, 8), table);
-      const __m512i v3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(packed, 12), table);
+      const __m512i packed = load_chunk(w[r] + k / 2, (W.K - k) / 2);
+      const __m512i v0 = chunk_values<0>(packed, table);
+      const __m512i v1 = chunk_values<1>(packed, table);
+      const __m512i v2 = chunk_values<2>(packed, table);
+      const __m512i v3 = chunk_values<3>(packed, table);
       const __m512 s = chunk_scales(scale[r] + k / kFp4Group, groups - k / kFp4Group);
       for (int m = 0; m < MR; ++m) {
         const uint16_t* xm = xp + m * ldp + k;
@@ -258,7 +235,7 @@ struct AlignedRows {
 }  // namespace
 
 int64_t fp4_staged_ld(int64_t K) {
-  int64_t ld = (K + kChunk - 1) / kChunk * kChunk;
+  int64_t ld = (K + kFp4Chunk - 1) / kFp4Chunk * kFp4Chunk;
   return (ld * 2) % 4096 == 0 ? ld + 64 : ld;  // rows 4 KB apart share L1 sets
 }
 
@@ -269,7 +246,7 @@ void fp4_stage_rows(const uint16_t* x, int64_t ldx, int64_t K, int64_t M, uint16
     for (int i = 0; i < 16; ++i) index[j][i] = static_cast<uint16_t>(4 * i + j);
   }
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < K; k += kChunk) {
+    for (int64_t k = 0; k < K; k += kFp4Chunk) {
       const uint16_t* src = x + m * ldx + k;
       __m512i part[4];
       for (int p = 0; p < 4; ++p) {
