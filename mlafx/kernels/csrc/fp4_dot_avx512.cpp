@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -29,6 +28,7 @@
 #include "block_dot_avx512.h"
 #include "fp4.h"
 #include "fp4_avx512.h"
+#include "scratch_buffer.h"
 
 namespace mlafx::avx512 {
 namespace {
@@ -221,17 +221,6 @@ bool has_subnormal_scales(const Fp4Weight& W, int64_t n0, int64_t n1) {
   return false;
 }
 
-// 64-byte aligned bf16 storage (the staged rows' loads are aligned).
-struct AlignedRows {
-  explicit AlignedRows(size_t count)
-      : ptr(static_cast<uint16_t*>(std::aligned_alloc(64, (count * 2 + 63) / 64 * 64))) {}
-  ~AlignedRows() { std::free(ptr); }
-  AlignedRows(const AlignedRows&) = delete;
-  AlignedRows& operator=(const AlignedRows&) = delete;
-  uint16_t* data() const { return ptr; }
-  uint16_t* ptr;
-};
-
 }  // namespace
 
 int64_t fp4_staged_ld(int64_t K) {
@@ -280,7 +269,7 @@ void fp4_dot_bf16(const Fp4Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, i
       rows_few(M, W, x.tiles, ldp, n0, n1, out, ldo);
       return;
     }
-    AlignedRows staged(static_cast<size_t>(M * ldp));
+    ScratchVector<uint16_t> staged(static_cast<size_t>(M * ldp));  // 64-byte aligned
     fp4_stage_rows(x.bf16, x.ld, W.K, M, staged.data());
     rows_few(M, W, staged.data(), ldp, n0, n1, out, ldo);
     return;
@@ -290,7 +279,7 @@ void fp4_dot_bf16(const Fp4Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, i
   if ((kpad * 2) % 4096 == 0) {
     kpad += 32;
   }
-  std::vector<uint16_t> widened(static_cast<size_t>(kTileRows * kpad));
+  ScratchVector<uint16_t> widened(static_cast<size_t>(kTileRows * kpad));  // read only below K
   for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {
     const int64_t t1 = std::min(n1, t0 + kTileRows);
     for (int64_t n = t0; n < t1; ++n) widen_row(W, n, widened.data() + (n - t0) * kpad);
