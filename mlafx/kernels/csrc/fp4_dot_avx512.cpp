@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "bf16_avx512.h"
 #include "block_dot_avx512.h"
