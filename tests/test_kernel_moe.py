@@ -106,6 +106,30 @@ def test_streaming_and_gemm_paths(dtype, counts, D, inter):
     )
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("counts", [[1, 0, 3], [MAX_STREAMING_PAIRS_DPBF16 + 9, 2]])
+@pytest.mark.parametrize(("D", "inter"), [(64 + 13, 40), (64, 96)])  # (64, 96): tiles
+def test_swiglu_limit_clamps_gate_and_up_on_every_path(dtype, counts, D, inter):
+    """DeepSeek-V4's clamped SwiGLU, on the streaming and the GEMM paths; the limit sits
+    inside the range of g and u, so that it changes the result."""
+    gen = torch.Generator().manual_seed(D + sum(counts))
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(len(ids), generator=gen)].view(-1, 1)
+    x, _, weights, w13, w2 = _case(len(ids), D, inter, len(counts), 1, dtype, gen)
+    x = x * 4  # g and u of a few units
+    ref = moe_experts_ref(x, ids, weights, w13, w2, 0.5)
+    _assert_close(moe_experts(x, ids, weights, w13, w2, swiglu_limit=0.5), ref, dtype)
+    plain = moe_experts_ref(x, ids, weights, w13, w2).double()
+    assert (plain - ref.double()).abs().max() > 0.1 * ref.double().abs().max()
+
+
+@pytest.mark.parametrize("limit", [0.0, -1.0])
+def test_swiglu_limit_must_be_positive(limit):
+    args = _case(2, 16, 8, 2, 1, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="swiglu_limit must be positive"):
+        moe_experts(*args, swiglu_limit=limit)
+
+
 @pytest.mark.parametrize("T", [1, 8, 64])
 @pytest.mark.parametrize("inter", [176, 192])  # 192: a multiple of 32 (the tile unit)
 def test_matches_model_reference_bf16(T, inter):
@@ -138,6 +162,7 @@ def test_opcheck(T, dtype):
     gen = torch.Generator().manual_seed(T)
     args = _case(T, 40, 24, 3, 2, dtype, gen, repeat=True)
     torch.library.opcheck(torch.ops.mlafx.moe_experts.default, args)
+    torch.library.opcheck(torch.ops.mlafx.moe_experts.default, (*args, 0.25))
 
 
 class _Experts(torch.nn.Module):
@@ -250,10 +275,11 @@ for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 3e-3), (torch.float32
         weights = torch.rand(T, k, generator=gen)
         w13 = (torch.randn(3, 2 * inter, D, generator=gen) / 9).to(dtype)
         w2 = (torch.randn(3, D, inter, generator=gen) / 5).to(dtype)
-        out = moe_experts(x, ids, weights, w13, w2).double()
-        ref = moe_experts_ref(x, ids, weights, w13, w2).double()
-        scale = ref.abs().max().item()
-        torch.testing.assert_close(out, ref, atol=tol * scale, rtol=tol)
+        for limit in (None, 0.3):  # the plain SwiGLU and DeepSeek-V4's clamped one
+            out = moe_experts(x, ids, weights, w13, w2, limit).double()
+            ref = moe_experts_ref(x, ids, weights, w13, w2, limit).double()
+            scale = ref.abs().max().item()
+            torch.testing.assert_close(out, ref, atol=tol * scale, rtol=tol)
 print("ok")
 """
 

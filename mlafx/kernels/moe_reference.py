@@ -21,11 +21,12 @@ def moe_experts_ref(
     topk_weights: torch.Tensor,  # [T, k] float32
     w13: torch.Tensor,  # [E, 2I, D], gate rows then up rows
     w2: torch.Tensor,  # [E, D, I]
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Per token ``sum_j topk_weights[t, j] * (silu(g) * u) @ w2[e]^T`` with
-    ``[g | u] = x[t] @ w13[e]^T``, ``e = topk_ids[t, j]``: one token and one choice at a
-    time, all arithmetic in float64, rounded once to x's dtype. Raises ``IndexError`` for an
-    id outside ``[0, E)``."""
+    ``[g | u] = x[t] @ w13[e]^T``, ``e = topk_ids[t, j]`` (g and u clamped at ``swiglu_limit``
+    when given: ``clamped_swiglu``): one token and one choice at a time, all arithmetic in
+    float64, rounded once to x's dtype. Raises ``IndexError`` for an id outside ``[0, E)``."""
     num_experts = w13.shape[0]
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float64)
@@ -35,6 +36,6 @@ def moe_experts_ref(
             if not 0 <= e < num_experts:
                 raise IndexError(f"topk_ids[{t}, {j}] = {e} is out of range for {num_experts}")
             gate_up = w13[e].double() @ x[t].double()
-            h = F.silu(gate_up[:inter]) * gate_up[inter:]
+            h = clamped_swiglu(gate_up[:inter], gate_up[inter:], swiglu_limit)
             out[t] += float(topk_weights[t, j]) * (w2[e].double() @ h)
     return out.to(x.dtype)

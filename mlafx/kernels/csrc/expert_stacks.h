@@ -27,11 +27,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <limits>
-#include <optional>
 #include <utility>
 #include <vector>
 
@@ -41,23 +37,17 @@
 #include "moe_routing.h"
 #include "parallel_chunks.h"
 #include "scratch_buffer.h"
+#include "swiglu_limit.h"
 
 namespace mlafx::expert_stacks {
 
 constexpr int64_t kMaxStreamingPairs = 16;
 
-// h = silu(g) * u in x's dtype (moe_activation.h), g and u first clamped at `limit` (g from
-// above, u on both sides) when it is finite, as DeepSeek-V4's experts do. Clamping the fp32 sums
-// before rounding gives what clamping the rounded values does (rounding is monotone and
-// round(limit) is where both land).
+// h = silu(g) * u in x's dtype (moe_activation.h), g and u first clamped at `limit`
+// (swiglu_limit.h).
 template <typename scalar_t>
 void swiglu_row(float* gate, float* up, scalar_t* h, int64_t n, float limit) {
-  if (std::isfinite(limit)) {
-    for (int64_t i = 0; i < n; ++i) {
-      gate[i] = std::min(gate[i], limit);
-      up[i] = std::min(std::max(up[i], -limit), limit);
-    }
-  }
+  clamp_swiglu_inputs(gate, up, n, limit);
   silu_times_up_row(gate, up, h, n);
 }
 
@@ -205,13 +195,6 @@ inline void check_routing(const char* op, const at::Tensor& x, const at::Tensor&
                     topk_weights.sizes());
   TORCH_CHECK_VALUE(x.size(1) <= 1 || x.stride(1) == 1, op,
                     ": x's last dim must be contiguous, got strides ", x.strides());
-}
-
-// The SwiGLU clamp of an op's optional swiglu_limit: positive (inf and None: no clamp).
-inline float checked_limit(const char* op, std::optional<double> limit) {
-  TORCH_CHECK_VALUE(!limit.has_value() || *limit > 0, op,
-                    ": swiglu_limit must be positive (or None: no clamp), got ", limit.value_or(0));
-  return limit.has_value() ? static_cast<float>(*limit) : std::numeric_limits<float>::infinity();
 }
 
 inline void check_ids(const char* op, const int64_t* ids, int64_t num_pairs, int64_t k,

@@ -142,7 +142,7 @@ at::Tensor moe_experts_fp4(const at::Tensor& x,             // [T, D]
                            const at::Tensor& w2_scale,      // [E, D, ceil(I/32)] ue8m0
                            std::optional<double> swiglu_limit) {
   constexpr const char* op = "moe_experts_fp4";
-  const float limit = expert_stacks::checked_limit(op, swiglu_limit);
+  const float limit = checked_swiglu_limit(op, swiglu_limit);
   expert_stacks::check_routing(op, x, topk_ids, topk_weights);
   TORCH_CHECK_VALUE(w13.dim() == 3 && w2.dim() == 3,
                     "moe_experts_fp4: w13 and w2 must be [num_experts, rows, bytes], got shapes ",

@@ -8,6 +8,7 @@
 //   out:          [T, D]      x's dtype, contiguous:
 //     out[t] = sum_j topk_weights[t, j] * (silu(g) * u) @ w2[e]^T,  [g | u] = x[t] @ w13[e]^T,
 //     e = topk_ids[t, j]; the k terms summed in fp32, rounded once.
+//   swiglu_limit: optional; given, g and u are clamped first (DeepSeek-V4: swiglu_limit.h).
 //
 // The (token, choice) pairs are grouped by expert, so every expert some token picked has its
 // weights read once per call, and experts no token picked are not read at all. Per expert:
@@ -32,6 +33,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/clamp_max.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/index_select.h>
@@ -46,6 +49,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -56,6 +60,7 @@
 #include "gemm_aten.h"
 #include "moe_routing.h"
 #include "parallel_chunks.h"
+#include "swiglu_limit.h"
 
 namespace mlafx {
 namespace {
@@ -91,12 +96,19 @@ constexpr int64_t kRowsPerStep = 64;
 
 float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
+// silu(g) * u, g and u clamped at `limit` first (swiglu_limit.h; inf: none).
+float swiglu(float g, float u, float limit) {
+  clamp_swiglu_inputs(&g, &u, 1, limit);
+  return silu(g) * u;
+}
+
 struct Problem {
   int64_t num_pairs_per_token;  // k
   int64_t hidden;               // D
   int64_t inter;                // I
   const float* weights;         // topk_weights, contiguous [T, k]
   float* sum;                   // fp32 [T, D], contiguous
+  float swiglu_limit;           // inf: plain SwiGLU
 };
 
 // acc[t(p)] += weight(p) * (rows[parts * j] + ... + rows[parts * j + parts - 1]) over columns
@@ -227,7 +239,7 @@ void run_streaming(const Problem& pb, const Routing& routing,
           scalar_t* dst = h_data + (row_of_group[g] + j) * parts * I;
           for (int64_t i = i0; i < i1; ++i) {
             const int64_t at = j * kRowsPerStep + (i - i0);
-            store_h(silu(gate[at]) * up[at], dst + i, I);
+            store_h(swiglu(gate[at], up[at], pb.swiglu_limit), dst + i, I);
           }
         }
       }
@@ -312,7 +324,7 @@ void run_blocked_group(const Problem& pb, const Routing& routing, const ExpertGr
         scalar_t* dst = h_data + j * parts * I + i0;
         for (int64_t i = 0; i < n; ++i) {
           const int64_t at = j * kBlockedRows + i;
-          store_h(silu(gate[at]) * up[at], dst + i, I);
+          store_h(swiglu(gate[at], up[at], pb.swiglu_limit), dst + i, I);
         }
       }
     }
@@ -342,7 +354,12 @@ void run_gemm_group(const Problem& pb, const Routing& routing, const ExpertGroup
   const int64_t I = pb.inter;
   const at::Tensor xe = group_rows(pb, routing, group, x).to(at::kFloat);  // [c, D]
   const at::Tensor gate_up = at::matmul(xe, w13[group.expert].to(at::kFloat).t());  // [c, 2I]
-  const at::Tensor h = at::mul(at::silu(gate_up.narrow(1, 0, I)), gate_up.narrow(1, I, I));
+  at::Tensor gate = gate_up.narrow(1, 0, I), up = gate_up.narrow(1, I, I);
+  if (std::isfinite(pb.swiglu_limit)) {
+    gate = at::clamp_max(gate, pb.swiglu_limit);
+    up = at::clamp(up, -pb.swiglu_limit, pb.swiglu_limit);
+  }
+  const at::Tensor h = at::mul(at::silu(gate), up);
   const at::Tensor y = at::matmul(h, w2[group.expert].to(at::kFloat).t()).contiguous();  // [c, D]
   const float* y_data = y.const_data_ptr<float>();
   const int64_t D = pb.hidden;
@@ -357,8 +374,9 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
                        const at::Tensor& topk_ids,      // [T, k] int64
                        const at::Tensor& topk_weights,  // [T, k] float32
                        const at::Tensor& w13,           // [E, 2I, D]
-                       const at::Tensor& w2             // [E, D, I]
-) {
+                       const at::Tensor& w2,            // [E, D, I]
+                       std::optional<double> swiglu_limit) {
+  const float limit = checked_swiglu_limit("moe_experts", swiglu_limit);
   TORCH_CHECK(x.device().is_cpu() && topk_ids.device().is_cpu() &&
                   topk_weights.device().is_cpu() && w13.device().is_cpu() &&
                   w2.device().is_cpu(),
@@ -418,7 +436,7 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
   const Routing routing = group_by_expert(id_data, T * k, E,
                                           max_streaming_pairs(x.scalar_type(), tiles),
                                           invariant && !in_expert_order);
-  const Problem pb{k, D, I, weights.const_data_ptr<float>(), sum.data_ptr<float>()};
+  const Problem pb{k, D, I, weights.const_data_ptr<float>(), sum.data_ptr<float>(), limit};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "moe_experts", [&] {
     auto run_group = [&](const ExpertGroup& group) {
       if (std::is_same_v<scalar_t, c10::BFloat16> && use_avx512_bf16()) {
@@ -450,8 +468,8 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
 
 TORCH_LIBRARY_FRAGMENT(mlafx, m) {
   m.def(
-      "moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2) "
-      "-> Tensor");
+      "moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, "
+      "float? swiglu_limit=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mlafx, CPU, m) { m.impl("moe_experts", &mlafx::moe_experts); }
