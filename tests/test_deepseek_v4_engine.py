@@ -1,7 +1,8 @@
-"""DeepSeek-V4 served by ``LLM`` (the reference model through the engine loop): greedy tokens
-and logprobs against transformers' cache-free forward, with batching, chunk edges inside
-compression windows, prefix hits (whole blocks and copied leading rows), preemption and a
-KV-store reload in the mix.
+"""DeepSeek-V4 served by ``LLM``, compiled (``compile/v4_compiled_step.py``) and eagerly (the
+reference model through the engine loop): greedy tokens and logprobs against transformers'
+cache-free forward, with batching, chunk edges inside compression windows, prefix hits (whole
+blocks and copied leading rows), preemption and a KV-store reload in the mix. The compiled
+cases share block size 8, so that the module compiles each layer kind once.
 
 The reference is transformers' forward over each prompt plus the tokens mlafx drew, in one
 pass: row ``i`` is the exact next-token distribution after mlafx's first ``i`` tokens, so every
@@ -39,8 +40,12 @@ def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
     return [[rng.randrange(97) for _ in range(n)] for n in lengths]
 
 
-def _llm(checkpoint, **options) -> LLM:
-    return LLM(str(checkpoint), compile=False, dtype="float32", progress=False, **options)
+# The engine's two steps: the compiled layers and the eager reference model.
+PATHS = pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+
+
+def _llm(checkpoint, compiled: bool = False, **options) -> LLM:
+    return LLM(str(checkpoint), compile=compiled, dtype="float32", progress=False, **options)
 
 
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int = 6):
@@ -65,11 +70,12 @@ def _check(hf_model, prompts, outputs) -> None:
             assert err <= TOL, f"prompt of {len(prompt)}: token {i}'s logprob off by {err:.3g}"
 
 
-def test_a_batch_with_chunk_edges_inside_compression_windows(hf_model, checkpoint):
+@PATHS
+def test_a_batch_with_chunk_edges_inside_compression_windows(hf_model, checkpoint, compiled):
     """Prompts of 1 to 290 tokens in one batch, prefilled 37 tokens a step (CSA windows of 4,
     HCA windows of 16, a sliding window of 8: most chunk edges fall inside all three)."""
     prompts = _prompts([1, 5, 23, 64, 130, 290], seed=0)
-    llm = _llm(checkpoint, block_size=8, num_kv_blocks=160, max_num_batched_tokens=37)
+    llm = _llm(checkpoint, compiled, block_size=8, num_kv_blocks=160, max_num_batched_tokens=37)
     _check(hf_model, prompts, _generate(llm, prompts))
 
 
@@ -82,12 +88,13 @@ def test_block_sizes_below_and_above_the_compression_rates(hf_model, checkpoint,
     _check(hf_model, prompts, _generate(llm, prompts))
 
 
-def test_prefix_hits_whole_blocks_and_copied_rows(hf_model, checkpoint):
+@PATHS
+def test_prefix_hits_whole_blocks_and_copied_rows(hf_model, checkpoint, compiled):
     """A 100-token prompt first; then prompts that share its first 96 tokens (12 whole blocks
     of 8), its first 53 (6 whole blocks, then 5 rows copied from its 7th: one closed CSA
     entry with them) and the whole of it."""
     (base,) = _prompts([100], seed=2)
-    llm = _llm(checkpoint, block_size=8, num_kv_blocks=200)
+    llm = _llm(checkpoint, compiled, block_size=8, num_kv_blocks=200)
     _check(hf_model, [base], _generate(llm, [base]))
     rest = _prompts([20, 30], seed=3)
     followers = [base[:96] + rest[0], base[:53] + rest[1], base + [7]]
@@ -96,31 +103,36 @@ def test_prefix_hits_whole_blocks_and_copied_rows(hf_model, checkpoint):
     assert llm.engine.stats.prefix_cache_hit_tokens - before >= 96 + 53 + 100
 
 
-def test_preemption_recomputes_without_changing_a_token(hf_model, checkpoint):
+@PATHS
+def test_preemption_recomputes_without_changing_a_token(hf_model, checkpoint, compiled):
     """A cache too small for the batch: requests are preempted and recomputed."""
     prompts = _prompts([40, 45, 50, 55], seed=4)
-    llm = _llm(checkpoint, block_size=8, num_kv_blocks=26, enable_prefix_caching=False)
+    llm = _llm(checkpoint, compiled, block_size=8, num_kv_blocks=26, enable_prefix_caching=False)
     outputs = _generate(llm, prompts, max_tokens=24)
     assert llm.engine.stats.num_preemptions > 0
     _check(hf_model, prompts, outputs)
 
 
-def test_a_kv_store_reload_in_a_new_engine(hf_model, checkpoint, tmp_path):
+@PATHS
+def test_a_kv_store_reload_in_a_new_engine(hf_model, checkpoint, tmp_path, compiled):
     """One engine saves a prompt's blocks to a disk store (chunks of 256 tokens); a fresh one
     loads them."""
     (prompt,) = _prompts([270], seed=5)
     store = f"disk:{tmp_path / 'store'}"
-    first = _llm(checkpoint, block_size=16, num_kv_blocks=32, kv_connector=store)
+    first = _llm(checkpoint, compiled, block_size=8, num_kv_blocks=64, kv_connector=store)
     _generate(first, [prompt])
     first.close()
-    second = _llm(checkpoint, block_size=16, num_kv_blocks=32, kv_connector=store)
+    second = _llm(checkpoint, compiled, block_size=8, num_kv_blocks=64, kv_connector=store)
     longer = prompt + [11, 12, 13]
     _check(hf_model, [longer], _generate(second, [longer]))
     assert second.engine.stats.external_hit_tokens == 256
     second.close()
 
 
-def test_an_fp8_and_fp4_checkpoint_against_transformers_on_its_dequantized_weights(tmp_path):
+@PATHS
+def test_an_fp8_and_fp4_checkpoint_against_transformers_on_its_dequantized_weights(
+    tmp_path, compiled
+):
     from transformers import DeepseekV4ForCausalLM
 
     written = write_deepseek_checkpoint(
@@ -129,7 +141,9 @@ def test_an_fp8_and_fp4_checkpoint_against_transformers_on_its_dequantized_weigh
     write_dequantized_copy(written, tmp_path / "fp8", tmp_path / "ref")
     reference = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32)
     prompts = _prompts([9, 61], seed=6)
-    llm = _llm(tmp_path / "fp8", block_size=16, num_kv_blocks=32, max_num_batched_tokens=40)
+    llm = _llm(
+        tmp_path / "fp8", compiled, block_size=8, num_kv_blocks=64, max_num_batched_tokens=40
+    )
     _check(reference.eval(), prompts, _generate(llm, prompts))
 
 
@@ -151,8 +165,8 @@ def test_dummy_weights_with_overrides(checkpoint):
 @pytest.mark.parametrize(
     ("options", "named"),
     [
-        ({}, "compile=True"),
         ({"compile": False, "quantization": "int8"}, "quantization"),
+        ({"allow_unlowered": True}, "allow_unlowered"),
         ({"compile": False, "hf_overrides": {"num_hidden_layers": 2}}, "hf_overrides"),
         ({"compile": False, "block_size": 12}, "one must divide the other"),
     ],

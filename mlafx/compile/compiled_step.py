@@ -100,7 +100,7 @@ _NOT_IN_LAYER = (
 )
 
 
-def _versions() -> dict[str, object]:
+def package_versions() -> dict[str, object]:
     import mlafx
     from mlafx.kernels import _build_info  # the kernels the package will call (gitignored)
 
@@ -121,7 +121,7 @@ def package_key(config: ModelConfig, kind: LayerKind, dtype: torch.dtype, block_
         "layer": kind.signature,
         "dtype": str(dtype),
         "block_size": block_size,
-        **_versions(),
+        **package_versions(),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -453,7 +453,7 @@ def release_weight(model: torch.nn.Module, name: str) -> None:
         owner._buffers[attr] = meta
 
 
-def model_constants(model: MLAForCausalLM) -> dict[str, torch.Tensor]:
+def model_constants(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The weights and buffers by their FQN, as the package names its constants."""
     return {
         **{k: v for k, v in model.named_parameters(remove_duplicate=False)},

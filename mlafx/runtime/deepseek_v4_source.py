@@ -1,10 +1,11 @@
-"""The step of a DeepSeek-V4 checkpoint (or dummy weights for its config): the reference model
-(``mlafx.models.deepseek_v4``) served eagerly through ``V4EngineStep``.
+"""The step of a DeepSeek-V4 checkpoint (or dummy weights for its config): its compiled step
+(``compile/v4_compiled_step.py``, the default) or the reference model
+(``mlafx.models.deepseek_v4``) served eagerly through ``V4EngineStep`` (``compile=False``).
 
 What the engine does not do for V4 yet is refused here, before anything is built, each with
-the reason: the compiled step (its attention, compressor and indexer ops are not lowered),
-quantization on load (V4 ships FP8 + FP4 already), tensor parallelism, ``hf_overrides`` over
-a checkpoint (its tensors fix the shapes), and batch invariance (it needs the compiled step).
+the reason: quantization on load (V4 ships FP8 + FP4 already), tensor parallelism,
+``hf_overrides`` over a checkpoint (its tensors fix the shapes), batch invariance, and
+``allow_unlowered`` (a V4 layer has no unlowered form to fall back to).
 """
 
 from __future__ import annotations
@@ -35,18 +36,17 @@ def check_deepseek_v4_options(
 ) -> DeepseekV4Config:
     """Every check that needs no weights (config, options, memory); the model's config."""
     refused = {
-        "compile=True": build.compile,
         "quantization": build.quantization is not None,
         "tensor_parallel_size > 1": build.tensor_parallel_size != 1,
         "batch_invariant": options.batch_invariant,
         "hf_overrides over a checkpoint": bool(build.hf_overrides) and build.load_format != "dummy",
+        "allow_unlowered": build.allow_unlowered,
     }
     named = [what for what, given in refused.items() if given]
     if named:
         raise ValueError(
-            f"DeepSeek-V4 is served by its reference model only, eagerly (compile=False): "
-            f"{', '.join(named)} not supported for it yet (its attention, compressor and "
-            "indexer ops are not lowered; it ships FP8 + FP4 weights of its own)"
+            f"DeepSeek-V4: {', '.join(named)} not supported for it yet (it ships FP8 + FP4 "
+            "weights of its own; its layers compile whole or not at all)"
         )
     if build.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format {build.load_format!r}: use 'auto' or 'dummy'")
@@ -70,17 +70,25 @@ def check_deepseek_v4_options(
 def deepseek_v4_source(
     model: str | Path, cfg: DeepseekV4Config, build: ModelOptions, options: ServingOptions
 ) -> StepSource:
-    """The reference model (checkpoint or dummy weights) as the engine's step."""
+    """The model (checkpoint or dummy weights) as the engine's step: compiled, or its
+    reference served eagerly (``compile=False``)."""
     from mlafx.models.deepseek_v4.build import build_deepseek_v4
     from mlafx.models.deepseek_v4.engine_step import V4EngineStep
 
     checkpoint = Path(model) if build.load_format == "auto" else None
     reference = build_deepseek_v4(cfg, torch_dtype(build.dtype), checkpoint, seed=options.seed)
+    tokenizer, chat_template = load_tokenizer(model), load_chat_template(model)
+    if not build.compile:
+        step = V4EngineStep(reference, options.block_size)
+        return StepSource(
+            cfg, build.dtype, step, model=reference, tokenizer=tokenizer,
+            chat_template=chat_template,
+        )  # fmt: skip
+    from mlafx.compile.v4_compiled_step import compile_v4_step
+
+    cache_dir = Path(build.compile_cache_dir) if build.compile_cache_dir is not None else None
+    compiled = compile_v4_step(reference, options.block_size, cache_dir=cache_dir)
     return StepSource(
-        cfg,
-        build.dtype,
-        V4EngineStep(reference, options.block_size),
-        model=reference,
-        tokenizer=load_tokenizer(model),
-        chat_template=load_chat_template(model),
-    )
+        cfg, build.dtype, compiled, model=reference, compiled=compiled, tokenizer=tokenizer,
+        chat_template=chat_template,
+    )  # fmt: skip

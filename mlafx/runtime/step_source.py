@@ -31,6 +31,7 @@ from mlafx.runtime.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from mlafx.compile.compiled_step import CompiledStep
+    from mlafx.compile.v4_compiled_step import CompiledV4Step
     from mlafx.export.artifact import LoadedArtifact
     from mlafx.models.deepseek import MLAForCausalLM
     from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM
@@ -45,7 +46,8 @@ class StepSource:
     step_fn: StepFn
     # the reference model (None: artifact, workers)
     model: MLAForCausalLM | DeepseekV4ForCausalLM | None = None
-    compiled: CompiledStep | None = None  # the compiled step, when the engine serves one
+    # the compiled step, when the engine serves one
+    compiled: CompiledStep | CompiledV4Step | None = None
     artifact: LoadedArtifact | None = None
     workers: WorkerGroup | None = None  # tensor-parallel ranks (they are the step)
     tokenizer: Any | None = None

@@ -20,6 +20,7 @@ a function of relative distance. Sliding layers use the ``main`` rope, compresse
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mlafx.config.deepseek_v4 import CSA, SLIDING, DeepseekV4Config
@@ -56,7 +57,7 @@ class GroupedLinear(nn.Module):
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
     """x [T, groups, in] by weight [groups * out, in] (group-major) -> [T, groups * out]."""
     w = weight.view(groups, -1, weight.shape[1])  # [g, out, in]
-    return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+    return torch.cat([F.linear(x[:, g], w[g]) for g in range(groups)], dim=1)
 
 
 class V4Attention(nn.Module):

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from mlafx.config.deepseek_v4 import DeepseekV4Config
 from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM
-from mlafx.models.deepseek_v4.step import SequenceStep, v4_step_metadata
+from mlafx.models.deepseek_v4.step import SequenceStep, V4StepMetadata, v4_step_metadata
 from mlafx.models.step import StepMetadata
 
 
@@ -31,17 +32,6 @@ class V4EngineStep:
         cfg.cache_block_shapes(block_size)  # the block size must suit every compression rate
         self.model, self.block_size = model, block_size
 
-    def sequences(self, meta: StepMetadata) -> list[SequenceStep]:
-        """Each sequence's context, new tokens and block table."""
-        starts = meta.query_start_loc.tolist()
-        kv_lens = meta.kv_lens.tolist()
-        table = meta.block_table.tolist()
-        seqs = []
-        for b, kv_len in enumerate(kv_lens):
-            new = starts[b + 1] - starts[b]
-            seqs.append(SequenceStep(kv_len - new, new, table[b][: -(-kv_len // self.block_size)]))
-        return seqs
-
     def __call__(
         self,
         input_ids: torch.Tensor,  # [T] int64
@@ -50,11 +40,30 @@ class V4EngineStep:
         meta: StepMetadata,
         logits_indices: torch.Tensor,  # [S] int64
     ) -> torch.Tensor:  # [S, vocab]
-        cfg = self.model.config
-        v4_meta = v4_step_metadata(
-            self.sequences(meta), self.block_size, cfg.sliding_window, cfg.compress_rates,
-            sparse=True,
-        )  # fmt: skip
-        if not torch.equal(v4_meta.positions, positions):
-            raise ValueError("the step's positions disagree with its sequences' metadata")
+        v4_meta = v4_sparse_metadata(self.model.config, meta, positions, self.block_size)
         return self.model(input_ids, caches, v4_meta, logits_indices)
+
+
+def sequence_steps(meta: StepMetadata, block_size: int) -> list[SequenceStep]:
+    """Each sequence's context, new tokens and block table."""
+    starts = meta.query_start_loc.tolist()
+    kv_lens = meta.kv_lens.tolist()
+    table = meta.block_table.tolist()
+    seqs = []
+    for b, kv_len in enumerate(kv_lens):
+        new = starts[b + 1] - starts[b]
+        seqs.append(SequenceStep(kv_len - new, new, table[b][: -(-kv_len // block_size)]))
+    return seqs
+
+
+def v4_sparse_metadata(
+    cfg: DeepseekV4Config, meta: StepMetadata, positions: torch.Tensor, block_size: int
+) -> V4StepMetadata:
+    """The engine's step metadata as V4's, in the sparse form its attention ops read."""
+    v4_meta = v4_step_metadata(
+        sequence_steps(meta, block_size), block_size, cfg.sliding_window, cfg.compress_rates,
+        sparse=True,
+    )  # fmt: skip
+    if not torch.equal(v4_meta.positions, positions):
+        raise ValueError("the step's positions disagree with its sequences' metadata")
+    return v4_meta

@@ -1,0 +1,205 @@
+"""Capture one DeepSeek-V4 decoder layer as a step function (``V4LayerStep``): the unit the
+compiled V4 step (``compile/v4_compiled_step.py``) builds one AOTInductor package for per
+layer kind and runs for every layer of that kind.
+
+Its inputs are flat tensors: the residual streams, the token ids (hash MoE), the layer's
+caches (``DeepseekV4Config.layer_cache_widths`` order, written in place) and the leaves of
+the step's sparse metadata that the layer reads (``v4_layer_leaves``): the attention runs
+on mlafx's ops (``V4Attention.sparse_attention``), never the dense reference. Dynamic
+extents (named ``Dim``s):
+
+    T   new tokens          x, input_ids, positions, slot_mapping, window, last_visible
+    B   sequences           block_table, kv_lens, pool_lens; B+1 for query_start_loc
+    M   token block-table columns;  MP  pool block-table columns
+    N   pool entries closing        close_*
+    E   visible pool entries (HCA)  visible
+    NB  cache blocks (every cache's first dim)
+
+As for MLA layers (``capture.py``), routed experts are recorded as one experts op
+(``mlafx::moe_experts`` with the SwiGLU clamp); the quantized V4 modules already call theirs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import cast
+
+import torch
+from torch import nn
+from torch.export import Dim, ExportedProgram
+
+from mlafx.config.deepseek_v4 import HCA, DeepseekV4Config
+from mlafx.graph.capture import size_oblivious
+from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM, V4DecoderLayer
+from mlafx.models.deepseek_v4.moe import ClampedExperts
+from mlafx.models.deepseek_v4.sparse_step import SparsePool, SparseStep
+from mlafx.models.deepseek_v4.step import PoolStep, SequenceStep, V4StepMetadata, v4_step_metadata
+
+# The metadata leaves every layer reads, then those of a compressed layer's pool, then the
+# visible entries of an HCA layer's.
+STEP_LEAVES = ("positions", "slot_mapping", "query_start_loc", "block_table", "kv_lens", "window")
+POOL_LEAVES = (
+    "close_slots",
+    "close_sources",
+    "close_has_previous",
+    "close_positions",
+    "pool_table",
+    "pool_lens",
+    "last_visible",
+)
+
+
+def v4_layer_leaves(
+    meta: V4StepMetadata, rate: int, kind: str, visible: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """The metadata tensors a layer of compression rate ``rate`` (0: sliding) and type
+    ``kind`` reads, in ``V4LayerStep``'s order. ``visible``: the HCA pool's visible entries
+    when the caller has them already (one tensor per step, whatever the layer)."""
+    sparse = meta.sparse
+    if sparse is None:
+        raise ValueError("a compiled V4 layer runs on the sparse step metadata (sparse=True)")
+    leaves = [
+        meta.positions, meta.slot_mapping, sparse.query_start_loc, sparse.block_table,
+        sparse.kv_lens, sparse.window,
+    ]  # fmt: skip
+    if rate:
+        pool, paged = meta.pool(rate), sparse.pools[rate]
+        leaves += [
+            pool.close_slots, pool.close_sources, pool.close_has_previous, pool.close_positions,
+            paged.table, paged.lens, paged.last_visible,
+        ]  # fmt: skip
+        if kind == HCA:
+            leaves.append(paged.visible if visible is None else visible)
+    return leaves
+
+
+def _metadata(rate: int, leaves: Sequence[torch.Tensor]) -> V4StepMetadata:
+    """``v4_layer_leaves``' inverse: the step metadata a layer's forward reads (the dense
+    path's fields empty)."""
+    positions, slot_mapping, query_start_loc, block_table, kv_lens, window = leaves[:6]
+    none = positions.new_empty(0)
+    pools: tuple[PoolStep, ...] = ()
+    paged: dict[int, SparsePool] = {}
+    if rate:
+        slots, sources, has_previous, close_positions, table, lens, last_visible = leaves[6:13]
+        pools = (PoolStep(rate, slots, sources, has_previous, close_positions, none, none, none),)
+        paged = {rate: SparsePool(table, lens, last_visible)}
+        if len(leaves) > 13:  # HCA: its visible entries, given (cached_property's slot)
+            paged[rate].__dict__["visible"] = leaves[13]
+    sparse = SparseStep(query_start_loc, block_table, kv_lens, window, paged)
+    return V4StepMetadata(positions, slot_mapping, none, none, none, none, pools, sparse)
+
+
+class V4LayerStep(nn.Module):
+    """One V4 decoder layer as a step function:
+
+        (x [T, hc_mult, D], input_ids [T], caches (mutated), v4_layer_leaves) -> x
+
+    Its parameters are the layer's, named ``layer.*``."""
+
+    def __init__(self, layer: V4DecoderLayer, cfg: DeepseekV4Config, index: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rate = cfg.compress_rate(index)
+        self.num_caches = sum(map(len, cfg.layer_cache_widths(index)))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        input_ids: torch.Tensor,
+        caches: list[torch.Tensor],
+        leaves: list[torch.Tensor],
+    ) -> torch.Tensor:
+        return self.layer(x, input_ids, caches, _metadata(self.rate, leaves))
+
+
+def layer_dynamic_shapes(num_caches: int, rate: int, kind: str) -> dict[str, object]:
+    """``V4LayerStep``'s dynamic extents (module docstring)."""
+    t, b, m, nb = Dim("T"), Dim("B"), Dim("M"), Dim("NB")
+    leaves: list[object] = [{0: t}, {0: t}, {0: b + 1}, {0: b, 1: m}, {0: b}, {0: t}]
+    if rate:
+        n, mp = Dim("N"), Dim("MP")
+        leaves += [{0: n}, {0: n}, {0: n}, {0: n}, {0: b, 1: mp}, {0: b}, {0: t}]
+        if kind == HCA:
+            leaves.append({0: t, 1: Dim("E")})
+    return {"x": {0: t}, "input_ids": {0: t}, "caches": [{0: nb}] * num_caches, "leaves": leaves}
+
+
+def sample_sequences(cfg: DeepseekV4Config, block_size: int) -> list[SequenceStep]:
+    """A sample step of three sequences: a prefill chunk after a context, a decode and a fresh
+    prompt, long enough that every pool has entries closing and visible. Block ids are
+    distinct and above 0 (``sample_blocks`` caches)."""
+    rate = max(cfg.compress_rates, default=1)
+    spans = [(3 * rate + 1, 2 * rate + 3), (5 * rate + 2, 1), (0, 3 * rate + 1)]
+    seqs, next_block = [], 1
+    for context, new in spans:
+        blocks = -(-(context + new) // block_size)
+        seqs.append(SequenceStep(context, new, list(range(next_block, next_block + blocks))))
+        next_block += blocks
+    return seqs
+
+
+def sample_blocks(seqs: Sequence[SequenceStep]) -> int:
+    return 1 + max(max(s.block_table) for s in seqs)
+
+
+def sample_layer_args(model: DeepseekV4ForCausalLM, index: int, block_size: int) -> tuple:
+    """``V4LayerStep``'s sample inputs for layer ``index``: the sample step, random streams
+    and token ids, zeroed caches (model dtype)."""
+    cfg = model.config
+    seqs = sample_sequences(cfg, block_size)
+    meta = v4_step_metadata(seqs, block_size, cfg.sliding_window, cfg.compress_rates, sparse=True)
+    tokens = int(meta.positions.shape[0])
+    gen = torch.Generator().manual_seed(index)
+    x = torch.randn(tokens, cfg.hc_mult, cfg.hidden_size, generator=gen).to(model.dtype)
+    input_ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen)
+    num_blocks = sample_blocks(seqs)
+    tokens_widths, pool_widths = cfg.layer_cache_widths(index)
+    rate = cfg.compress_rate(index)
+    rows = [block_size] * len(tokens_widths)
+    if pool_widths:
+        from mlafx.config.deepseek_v4 import pool_rows_per_block
+
+        rows += [pool_rows_per_block(rate, block_size)] * len(pool_widths)
+    caches = [
+        torch.zeros(num_blocks, r, w, dtype=model.dtype)
+        for r, w in zip(rows, (*tokens_widths, *pool_widths), strict=True)
+    ]
+    leaves = v4_layer_leaves(meta, rate, cfg.layer_types[index])
+    return (x, input_ids, caches, leaves)
+
+
+def _clamped_experts_forward(self, x, topk_ids, topk_weights):  # type: ignore[no-untyped-def]
+    return torch.ops.mlafx.moe_experts(
+        x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, self.limit
+    )
+
+
+@contextlib.contextmanager
+def v4_kernels_as_custom_ops() -> Iterator[None]:
+    """Within this block V4's routed experts (``ClampedExperts``: a data-dependent grouping
+    that does not trace) run ``mlafx::moe_experts`` with the SwiGLU clamp."""
+    import mlafx.kernels  # noqa: F401  (registers the ops and their fakes)
+
+    original = ClampedExperts.forward
+    ClampedExperts.forward = _clamped_experts_forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ClampedExperts.forward = original  # type: ignore[method-assign]
+
+
+def capture_v4_layer(
+    model: DeepseekV4ForCausalLM, index: int, block_size: int
+) -> tuple[ExportedProgram, tuple]:
+    """Layer ``index`` of ``model`` as an ExportedProgram (dynamic extents), with the sample
+    inputs it was traced with."""
+    cfg = model.config
+    step = V4LayerStep(cast(V4DecoderLayer, model.model.layers[index]), cfg, index)
+    args = sample_layer_args(model, index, block_size)
+    rate = cfg.compress_rate(index)
+    dynamic = layer_dynamic_shapes(step.num_caches, rate, cfg.layer_types[index])
+    with v4_kernels_as_custom_ops(), size_oblivious(), torch.no_grad():
+        program = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
+    return program, args
