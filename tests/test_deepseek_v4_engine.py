@@ -147,6 +147,17 @@ def test_an_fp8_and_fp4_checkpoint_against_transformers_on_its_dequantized_weigh
     _check(reference.eval(), prompts, _generate(llm, prompts))
 
 
+def test_the_compiled_engine_keeps_one_copy_of_each_weight(checkpoint):
+    """A weight its packed copy replaced is released once its layer is loaded; the experts op
+    and the attention ops read their weights as they are."""
+    llm = _llm(checkpoint, True, block_size=8, num_kv_blocks=32)
+    layer = llm.model.model.layers[1]
+    assert layer.self_attn.q_b_proj.weight.is_meta and llm.model.lm_head.weight.is_meta
+    assert not layer.mlp.experts.gate_up_proj.is_meta and not layer.self_attn.sinks.is_meta
+    (out,) = _generate(llm, [[1, 2, 3]], max_tokens=2)
+    assert len(out.outputs[0].token_ids) == 2
+
+
 def test_dummy_weights_with_overrides(checkpoint):
     llm = LLM(
         str(checkpoint),

@@ -31,6 +31,8 @@ import torch
 
 from mlafx.compile.aoti_runner import PackageRunner
 from mlafx.compile.compiled_step import (
+    LM_HEAD,
+    LoweringError,
     build_aoti_package,
     default_cache_dir,
     layer_constants,
@@ -38,12 +40,17 @@ from mlafx.compile.compiled_step import (
     model_constants,
     package_lock,
     package_versions,
+    release_weight,
 )
 from mlafx.compile.layer_kinds import LayerKind, layer_signature
-from mlafx.graph.capture_v4 import capture_v4_layer, v4_layer_leaves
+from mlafx.graph.capture import LAYER_PREFIX
+from mlafx.graph.capture_v4 import v4_layer_leaves
 from mlafx.models.deepseek_v4.engine_step import v4_sparse_metadata
 from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM, caches_by_layer
+from mlafx.models.deepseek_v4.step import V4StepMetadata
 from mlafx.models.step import StepMetadata
+from mlafx.passes.derived_constants import packed_name, with_derived_constants
+from mlafx.passes.v4_pipeline import lower_v4_layer
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +106,13 @@ def v4_layer_package(
             block_size,
             package,
         )
-        program, _ = capture_v4_layer(model, kind.layers[0], block_size)
-        build_aoti_package(program, package)
+        lowering = lower_v4_layer(model, kind.layers[0], block_size)
+        if lowering.verify_error is not None:
+            raise LoweringError(
+                f"DeepSeek-V4 layer kind {kind.name} (layers {list(kind.layers)}): "
+                f"{lowering.verify_error}. Nothing was cached."
+            )
+        build_aoti_package(lowering.program, package)
         log.warning("  compiled in %.1f s", time.perf_counter() - start)
         return package
 
@@ -112,19 +124,40 @@ class CompiledV4Step:
     reads_key_rows = False  # V4's window and pool rows come from the block tables
 
     def __init__(
-        self, model: DeepseekV4ForCausalLM, block_size: int, packages: dict[int, Path]
+        self,
+        model: DeepseekV4ForCausalLM,
+        block_size: int,
+        packages: dict[int, Path],
+        *,
+        release_replaced_weights: bool = False,
     ) -> None:
-        """``packages``: each layer's package."""
+        """``packages``: each layer's package. ``release_replaced_weights``: the model gives up
+        the weights no package reads (those a packed copy replaced: they become meta tensors,
+        and the model no longer runs eagerly), each as soon as its layer is loaded, so that
+        one copy of every weight stays."""
         cfg = model.config
         self.model, self.block_size = model, block_size
         self.packages = packages
         self.compile_seconds = 0.0  # set by compile_v4_step
         constants = model_constants(model)
-        self.layers: list[PackageRunner] = [
-            load_aoti_package(packages[i], layer_constants(constants, i))
-            for i in range(cfg.num_hidden_layers)
-        ]
+        self.layers: list[PackageRunner] = []
+        for i in range(cfg.num_hidden_layers):
+            own = layer_constants(constants, i)
+            runner = load_aoti_package(packages[i], own)
+            self.layers.append(runner)
+            if release_replaced_weights:
+                for name in sorted(own.keys() - set(runner.get_constant_fqns())):
+                    release_weight(model, f"model.layers.{i}.{name[len(LAYER_PREFIX) :]}")
+            del own
         self.rates = [cfg.compress_rate(i) for i in range(cfg.num_hidden_layers)]
+        # the lm_head as linear_packed reads it (the embedding's own copy when tied)
+        lm_head = model.lm_head.weight
+        self.lm_head_packed = with_derived_constants({LM_HEAD: lm_head}, [packed_name(LM_HEAD)])[
+            packed_name(LM_HEAD)
+        ]
+        if release_replaced_weights and not cfg.tie_word_embeddings:
+            release_weight(model, LM_HEAD)
+        del lm_head
 
     def __call__(
         self,
@@ -134,8 +167,19 @@ class CompiledV4Step:
         meta: StepMetadata,
         logits_indices: torch.Tensor,  # [S] int64
     ) -> torch.Tensor:  # [S, vocab]
+        v4_meta = v4_sparse_metadata(self.model.config, meta, positions, self.block_size)
+        return self.run(input_ids, caches, v4_meta, logits_indices)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        caches: list[torch.Tensor],
+        v4_meta: V4StepMetadata,  # sparse
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """The step on V4's own metadata (``v4_step_metadata(..., sparse=True)``), as the
+        reference model's forward takes it."""
         model, cfg = self.model, self.model.config
-        v4_meta = v4_sparse_metadata(cfg, meta, positions, self.block_size)
         x = model.model.embed_tokens(input_ids)
         x = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         layers = zip(self.layers, caches_by_layer(cfg, caches), strict=True)
@@ -144,20 +188,26 @@ class CompiledV4Step:
             (x,) = runner.run_flat([x, input_ids, *own, *leaves])
         with torch.no_grad():
             h = model.model.norm(model.model.hc_head(x.index_select(0, logits_indices)))
-            return model.lm_head(h)
+        return torch.ops.mlafx.linear_packed(h, self.lm_head_packed, cfg.vocab_size, None)
 
 
 def compile_v4_step(
-    model: DeepseekV4ForCausalLM, block_size: int, *, cache_dir: Path | None = None
+    model: DeepseekV4ForCausalLM,
+    block_size: int,
+    *,
+    cache_dir: Path | None = None,
+    release_replaced_weights: bool = False,
 ) -> CompiledV4Step:
     """Compile (or load from the cache) one package per layer kind of ``model`` and load it
-    for each of its layers."""
+    for each of its layers (``release_replaced_weights``: ``CompiledV4Step``'s)."""
     start = time.perf_counter()
     model.config.cache_block_shapes(block_size)  # the block size must suit every rate
     packages: dict[int, Path] = {}
     for kind in v4_layer_kinds(model):
         package = v4_layer_package(model, kind, block_size, cache_dir)
         packages.update({layer: package for layer in kind.layers})
-    step = CompiledV4Step(model, block_size, packages)
+    step = CompiledV4Step(
+        model, block_size, packages, release_replaced_weights=release_replaced_weights
+    )
     step.compile_seconds = time.perf_counter() - start
     return step

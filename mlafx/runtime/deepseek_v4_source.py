@@ -87,7 +87,9 @@ def deepseek_v4_source(
     from mlafx.compile.v4_compiled_step import compile_v4_step
 
     cache_dir = Path(build.compile_cache_dir) if build.compile_cache_dir is not None else None
-    compiled = compile_v4_step(reference, options.block_size, cache_dir=cache_dir)
+    compiled = compile_v4_step(
+        reference, options.block_size, cache_dir=cache_dir, release_replaced_weights=True
+    )
     return StepSource(
         cfg, build.dtype, compiled, model=reference, compiled=compiled, tokenizer=tokenizer,
         chat_template=chat_template,

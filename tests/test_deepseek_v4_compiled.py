@@ -1,0 +1,75 @@
+"""DeepSeek-V4's layer capture and passes (``graph/capture_v4.py``, ``passes/v4_pipeline.py``):
+every layer kind of the tiny model traces with the step's dynamic extents, lowers to mlafx's
+ops, and its check catches a wrong lowering. The compiled engine's tokens are
+``test_deepseek_v4_engine.py``'s."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from v4_cases import mlafx_v4, transformers_v4
+
+from mlafx.graph.capture_v4 import sample_layer_args
+from mlafx.passes.v4_pipeline import lower_v4_layer, verify_error
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mlafx_v4(transformers_v4(seed=0))
+
+
+def _ops(gm: torch.fx.GraphModule) -> Counter[str]:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])  # sliding + hash MoE, CSA + MoE, HCA + MoE
+def test_each_layer_type_lowers_to_the_ops(model, index):
+    cfg = model.config
+    lowering = lower_v4_layer(model, index, BLOCK)
+    assert lowering.verify_error is None
+    ops = _ops(lowering.lowered)
+    rate = cfg.compress_rate(index)
+    # attention: the window pass, and on compressed layers the pool pass merged with it
+    assert ops["mlafx.mla_attention_sparse.default"] == (2 if rate else 1)
+    assert ops["mlafx.merge_attn_states.default"] == (1 if rate else 0)
+    assert ops["mlafx.dsa_indexer_topk.default"] == (1 if rate == 4 else 0)
+    (experts,) = [n for n in lowering.lowered.graph.nodes if "moe_experts" in str(n.target)]
+    assert experts.args[-1] == cfg.swiglu_limit  # the clamp reaches the op
+    # every linear over a weight is packed; not the grouped o_a_proj's per-group slices, nor
+    # the two mHC mixes (float32 casts of their weights)
+    assert ops["mlafx.linear_packed.default"] == lowering.linears > 0
+    assert ops["aten.linear.default"] == cfg.o_groups + 2
+
+
+def test_the_sample_step_closes_entries_of_every_pool(model):
+    """Each dynamic extent the capture traces is at least 2 (none specialised to 0 or 1)."""
+    cfg = model.config
+    for index in (1, 2):
+        x, _, _, leaves = sample_layer_args(model, index, BLOCK)
+        close_slots, pool_table, visible = leaves[6], leaves[10], leaves[-1]
+        assert x.shape[0] >= 2 and close_slots.shape[0] >= 2 and pool_table.shape[1] >= 2
+        if cfg.layer_types[index] == "heavily_compressed_attention":
+            assert visible.shape[1] >= 2
+
+
+class _Off(torch.nn.Module):
+    """A "lowering" that is off by 1% in its output."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, input_ids, caches, leaves):  # type: ignore[no-untyped-def]
+        return self.inner(x, input_ids, caches, leaves) * 1.01
+
+
+def test_verify_catches_a_wrong_lowering(model):
+    lowering = lower_v4_layer(model, 0, BLOCK)
+    args = sample_layer_args(model, 0, BLOCK)
+    assert verify_error(lowering.captured, lowering.lowered, args) is None
+    error = verify_error(lowering.captured, _Off(lowering.lowered), args)
+    assert error is not None and "output differs" in error
