@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 from v4_cases import mlafx_v4, transformers_v4
+from v4_checkpoints import WIDTHS
 
 from mlafx.graph.capture_v4 import sample_layer_args
 from mlafx.passes.v4_pipeline import lower_v4_layer, verify_error
@@ -42,7 +43,17 @@ def test_each_layer_type_lowers_to_the_ops(model, index):
     # every linear over a weight is packed; not the grouped o_a_proj's per-group slices, nor
     # the two mHC mixes (float32 casts of their weights)
     assert ops["mlafx.linear_packed.default"] == lowering.linears > 0
-    assert ops["aten.linear.default"] == cfg.o_groups + 2
+    off_blocks = sum(1 for g in range(cfg.o_groups) if g * cfg.o_lora_rank % 16)  # rank 12
+    assert ops["aten.linear.default"] == off_blocks + 2
+
+
+def test_grouped_o_a_proj_on_packed_blocks_is_lowered_too():
+    """o_lora_rank 32: each group's rows start on a packed block, so its slice of the packed
+    weight serves it (V4-Flash: 1024)."""
+    model = mlafx_v4(transformers_v4(seed=1, **WIDTHS))
+    lowering = lower_v4_layer(model, 1, BLOCK)
+    assert lowering.verify_error is None
+    assert _ops(lowering.lowered)["aten.linear.default"] == 2  # the mHC mixes only
 
 
 def test_the_sample_step_closes_entries_of_every_pool(model):

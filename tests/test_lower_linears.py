@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mlafx.graph.capture import capture_step, num_sample_blocks, sample_step_inputs
 from mlafx.models.step import SequenceSpan, build_step_inputs
@@ -76,3 +77,29 @@ def test_both_branches_match_the_captured_graph(llm, lowered, new_tokens):
     want = captured(*args, want_caches, inputs.meta, inputs.logits_indices)
     got = result.graph(*args, got_caches, inputs.meta, inputs.logits_indices)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+class _RowSlices(torch.nn.Module):
+    """Linears over row slices of one weight: on block edges (lowered, the last one partial)
+    and off them (kept)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(56, 24))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        return torch.cat([F.linear(x, w[0:16]), F.linear(x, w[16:45]), F.linear(x, w[40:56])], 1)
+
+
+def test_row_slices_on_block_edges_read_their_packed_blocks():
+    from mlafx.passes.graph_utils import finish
+    from mlafx.passes.lower_linears import lower_linears
+
+    module, x = _RowSlices(), torch.randn(3, 24)
+    captured = torch.export.export(module, (x,), strict=False).module()
+    assert lower_linears(captured) == 2  # w[0:16] and w[16:45]; w[40:56] starts mid-block
+    finish(captured)
+    ops = [str(n.target) for n in captured.graph.nodes if n.op == "call_function"]
+    assert ops.count(PACKED) == 2 and ops.count(LINEAR) == 1
+    torch.testing.assert_close(captured(x), module(x), atol=1e-5, rtol=1e-5)

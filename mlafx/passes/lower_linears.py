@@ -4,11 +4,13 @@ rows at a time for ATen's GEMM. The packed copy replaces the checkpoint's weight
 
 Pattern: ``aten.linear(x, W)`` or ``aten.linear(x, W, b)`` where ``W`` is a 2-D weight of the
 graph (a ``get_attr``: q/kv/o projections, shared experts, dense MLPs, lm_head, and the
-split attention path's ``kv_b_proj`` decompression, the fp32 router's gate) and ``x`` is
-2-D. Weights computed in the graph do not match.
+split attention path's ``kv_b_proj`` decompression, the fp32 router's gate) or a slice of its
+rows starting at a multiple of the packed block (16 rows; DeepSeek-V4's grouped ``o_a_proj``,
+a slice per group), and ``x`` is 2-D. Other weights computed in the graph do not match.
 Replacement: ``mlafx.linear_packed(x, W_packed, N, b)``, where ``W_packed`` =
 ``pack_linear_weight(W)`` is a derived constant named ``<W's name>_packed`` next to ``W`` and
-``N`` is ``W``'s number of rows.
+``N`` is ``W``'s number of rows; for a row slice ``[r0, r1)`` the slice of the packed blocks
+that hold those rows, and ``N = r1 - r0``.
 Requires: nothing beyond the pattern; run after ``lower_attention`` (whose absorbed
 weights are derived constants of ``kv_b_proj.weight``, not linears).
 Ensures: no ``aten.linear`` over a graph weight remains; each weight is packed once however
@@ -26,6 +28,7 @@ import torch
 from torch import fx
 
 import mlafx.kernels  # noqa: F401  (registers the mlafx ops and their fakes)
+from mlafx.kernels.gemm_ops import PACKED_BLOCK_ROWS
 from mlafx.passes.derived_constants import derived_attr, packed_name
 from mlafx.passes.graph_utils import tensor_shape
 
@@ -50,6 +53,27 @@ def _rank(linear: fx.Node) -> int | None:
 _RANK_PRESERVING = {aten.index_select.default, aten.contiguous.default, aten.clone.default}
 
 
+def _row_slice(weight: object) -> tuple[int, int] | None:
+    """``(r0, r1)`` if ``weight`` is ``W[r0:r1]`` of a graph weight ``W`` with ``r0`` on a
+    packed block's first row, else None."""
+    if not (
+        isinstance(weight, fx.Node)
+        and weight.op == "call_function"
+        and weight.target is aten.slice.Tensor
+        and isinstance(weight.args[0], fx.Node)
+        and weight.args[0].op == "get_attr"
+    ):
+        return None
+    args = weight.args[1:]
+    dim, start, end = (
+        args[i] if len(args) > i else default for i, default in enumerate((0, 0, None))
+    )
+    step = args[3] if len(args) > 3 else 1
+    if not (dim == 0 and step == 1 and isinstance(start, int) and isinstance(end, int)):
+        return None
+    return (start, end) if start % PACKED_BLOCK_ROWS == 0 and end > start else None
+
+
 def lower_linears(gm: fx.GraphModule) -> int:
     """Rewrite every matching linear in place; returns how many were rewritten."""
     graph = gm.graph
@@ -59,6 +83,9 @@ def lower_linears(gm: fx.GraphModule) -> int:
             continue
         x, weight = node.args[0], node.args[1]
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        rows = _row_slice(weight)
+        if rows is not None:
+            weight = weight.args[0]
         if not (isinstance(weight, fx.Node) and weight.op == "get_attr"):
             log.info("lower_linears: %s keeps aten.linear (its weight is computed)", node.name)
             continue
@@ -74,6 +101,11 @@ def lower_linears(gm: fx.GraphModule) -> int:
         with graph.inserting_before(node):
             packed = derived_attr(gm, packed_name(weight.target))
             out_features = int(weight_shape[0])
+            if rows is not None:
+                start, end = rows[0], min(rows[1], out_features)
+                blocks = (start // PACKED_BLOCK_ROWS, -(-end // PACKED_BLOCK_ROWS))
+                packed = graph.call_function(aten.slice.Tensor, (packed, 0, *blocks))
+                out_features = end - start
             lowered = graph.call_function(
                 torch.ops.mlafx.linear_packed.default, (x, packed, out_features, bias)
             )

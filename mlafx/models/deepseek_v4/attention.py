@@ -56,8 +56,10 @@ class GroupedLinear(nn.Module):
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
     """x [T, groups, in] by weight [groups * out, in] (group-major) -> [T, groups * out]."""
-    w = weight.view(groups, -1, weight.shape[1])  # [g, out, in]
-    return torch.cat([F.linear(x[:, g], w[g]) for g in range(groups)], dim=1)
+    out = weight.shape[0] // groups
+    return torch.cat(
+        [F.linear(x[:, g], weight[g * out : (g + 1) * out]) for g in range(groups)], dim=1
+    )
 
 
 class V4Attention(nn.Module):
