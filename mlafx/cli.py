@@ -444,32 +444,52 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     args.compile = False  # the reference model, which inspect captures and lowers itself
     llm = build_llm(args)
     from mlafx.models.deepseek import MLAForCausalLM
+    from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
-    if not isinstance(llm.model, MLAForCausalLM):  # compile=False: the reference model
-        raise ValueError(
-            f"mlafx inspect captures and lowers MLA models; {llm.config.model_type} has no "
-            "lowering yet (it is served by its reference model only)"
-        )
-    start = time.perf_counter()
-    captured = capture_step(llm.model, args.block_size)
-    capture_seconds = time.perf_counter() - start
-    sample, caches = sample_step(llm.model, args.block_size)
-    result = lower_step_graph(captured.module(), sample, caches, capture_seconds)
-    report = lowering_report(
-        result, with_graphs=args.graphs or args.stage is not None or args.html is not None
-    )
+    with_graphs = args.graphs or args.stage is not None or args.html is not None
+    if isinstance(llm.model, DeepseekV4ForCausalLM):
+        report, text, graphs = _inspect_v4(llm.model, args.block_size, with_graphs, args.stage)
+    elif isinstance(llm.model, MLAForCausalLM):  # compile=False: the reference model
+        start = time.perf_counter()
+        captured = capture_step(llm.model, args.block_size)
+        capture_seconds = time.perf_counter() - start
+        sample, caches = sample_step(llm.model, args.block_size)
+        result = lower_step_graph(captured.module(), sample, caches, capture_seconds)
+        report = lowering_report(result, with_graphs=with_graphs)
+        text = format_text(report, args.stage)
+        graphs = {stage.name: stage.graph for stage in result.stages}
+    else:
+        raise ValueError(f"mlafx inspect: {llm.config.model_type} has no lowering")
     if args.html is not None:
         from mlafx.passes.report_html import graph_svg, render_html
 
-        svgs = {stage.name: graph_svg(stage.graph) for stage in result.stages}
+        svgs = {name: graph_svg(graph) for name, graph in graphs.items()}
         title = f"mlafx inspect: {llm.config.model_type}, {llm.config.num_hidden_layers} layers"
         args.html.write_text(render_html(report, svgs, title))
         print(f"wrote {args.html}", file=sys.stderr)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(format_text(report, args.stage))
+        print(text)
     return 0
+
+
+def _inspect_v4(
+    model: Any, block_size: int, with_graphs: bool, stage: str | None
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """DeepSeek-V4's lowering report, one capture per layer kind (as it compiles): the report,
+    its text, each stage's graph by the report's stage name."""
+    from mlafx.compile.v4_compiled_step import v4_layer_kinds
+    from mlafx.passes.report import format_v4_text, v4_lowering_report
+    from mlafx.passes.v4_pipeline import lower_v4_layer
+
+    kinds = [
+        (kind.name, kind.layers, lower_v4_layer(model, kind.layers[0], block_size))
+        for kind in v4_layer_kinds(model)
+    ]
+    report = v4_lowering_report(kinds, with_graphs=with_graphs)
+    graphs = {f"{name}: {st.name}": st.graph for name, _, lo in kinds for st in lo.stages}
+    return report, format_v4_text(report, stage), graphs
 
 
 def served_model_name(args: argparse.Namespace) -> str:

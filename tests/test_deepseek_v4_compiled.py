@@ -84,3 +84,28 @@ def test_verify_catches_a_wrong_lowering(model):
     assert verify_error(lowering.captured, lowering.lowered, args) is None
     error = verify_error(lowering.captured, _Off(lowering.lowered), args)
     assert error is not None and "output differs" in error
+
+
+def test_inspect_shows_each_layer_kind_and_its_ops(tmp_path, capsys):
+    import json
+
+    from mlafx.cli import main
+
+    transformers_v4(seed=0).save_pretrained(tmp_path)
+    flags = ["--model", str(tmp_path), "--dtype", "float32", "--block-size", str(BLOCK)]
+    assert main(["inspect", *flags, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    kinds = {k["name"]: k for k in report["layer_kinds"]}
+    assert sorted(kinds) == [
+        "compressed_sparse_attention+hash_moe",
+        "compressed_sparse_attention+moe",
+        "heavily_compressed_attention+moe",
+        "sliding_attention+hash_moe",
+    ]
+    csa = kinds["compressed_sparse_attention+moe"]
+    assert csa["layers"] == [1] and csa["verify"]["ok"] and report["verify"]["ok"]
+    assert csa["mlafx_ops"]["mlafx.dsa_indexer_topk.default"] == 1
+    assert main(["inspect", *flags, "--stage", "lower_linears"]) == 0
+    text = capsys.readouterr().out
+    assert "layer kind heavily_compressed_attention+moe (layers [2])" in text
+    assert text.count("== stage") == 4  # one lower_linears stage per kind

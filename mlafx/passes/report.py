@@ -6,6 +6,7 @@ from collections import Counter
 from typing import Any
 
 from mlafx.passes.pipeline import LoweringResult, Stage
+from mlafx.passes.v4_pipeline import V4Lowering
 
 
 def op_diff(before: Counter[str], after: Counter[str]) -> dict[str, int]:
@@ -122,3 +123,56 @@ def format_text(report: dict[str, Any], stage: str | None = None) -> str:
     if report["verify"] is not None:
         lines.append(f"verify: {report['verify']}")
     return "\n".join(lines)
+
+
+def v4_lowering_report(
+    kinds: list[tuple[str, tuple[int, ...], V4Lowering]], *, with_graphs: bool = False
+) -> dict[str, Any]:
+    """DeepSeek-V4's lowering, one entry per layer kind ``(name, layers, lowering)``: the
+    mlafx ops its layer runs, and its stages named ``<kind>: <stage>`` (what ``format_text``
+    and the HTML report show; V4 has no MLA sites)."""
+    stages: list[dict[str, Any]] = []
+    entries: list[dict[str, Any]] = []
+    for name, layers, lowering in kinds:
+        own = lowering.stages
+        stages += [
+            {
+                **stage_report(st, own[i - 1] if i else None, with_graphs),
+                "name": f"{name}: {st.name}",
+            }
+            for i, st in enumerate(own)
+        ]
+        ops = own[-1].ops
+        entries.append(
+            {
+                "name": name,
+                "layers": list(layers),
+                "linears_lowered": lowering.linears,
+                "mlafx_ops": {op: n for op, n in sorted(ops.items()) if op.startswith("mlafx.")},
+                "verify": {"ok": lowering.verify_error is None, "error": lowering.verify_error},
+            }
+        )
+    errors = {name: lo.verify_error for name, _, lo in kinds if lo.verify_error is not None}
+    return {
+        "layer_kinds": entries,
+        "sites": [],
+        "refused": [],
+        "verify": {"ok": not errors, **({"errors": errors} if errors else {})},
+        "stages": stages,
+    }
+
+
+def format_v4_text(report: dict[str, Any], stage: str | None = None) -> str:
+    """Each layer kind's ops, then ``format_text``'s stages (``stage``: those whose name ends
+    with it) and the verdict."""
+    lines = []
+    for kind in report["layer_kinds"]:
+        ops = ", ".join(f"{op} x{n}" for op, n in kind["mlafx_ops"].items())
+        lines.append(
+            f"layer kind {kind['name']} (layers {kind['layers']}): "
+            f"{kind['linears_lowered']} linear(s) -> mlafx.linear_packed; runs {ops}"
+        )
+    chosen = dict(report)
+    if stage:
+        chosen["stages"] = [s for s in report["stages"] if s["name"].endswith(f": {stage}")]
+    return "\n".join([*lines, format_text(chosen)])

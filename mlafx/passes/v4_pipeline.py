@@ -16,6 +16,7 @@ V4's model already calls mlafx's ops where the MLA passes would put them: attent
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from mlafx.graph.capture_v4 import capture_v4_layer, layer_dynamic_shapes
 from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from mlafx.passes.graph_utils import copy_graph, finish
 from mlafx.passes.lower_linears import lower_linears
+from mlafx.passes.pipeline import Stage
 
 
 @dataclass(frozen=True)
@@ -34,24 +36,31 @@ class V4Lowering:
     lowered: torch.fx.GraphModule
     linears: int  # linears rewritten
     verify_error: str | None  # set: the lowered layer disagrees with the captured one
+    stages: tuple[Stage, ...]  # captured, lower_linears, verify (``mlafx inspect``)
 
 
 def lower_v4_layer(model: DeepseekV4ForCausalLM, index: int, block_size: int) -> V4Lowering:
     """Capture layer ``index``, lower its linears, verify, and re-export the lowered layer with
     the step's dynamic extents (the captured layer's program if verification failed)."""
+    start = time.perf_counter()
     program, args = capture_v4_layer(model, index, block_size)
     captured = program.module()
+    stages = [Stage("captured", captured, time.perf_counter() - start)]
+    start = time.perf_counter()
     lowered = copy_graph(captured)
     linears = lower_linears(lowered)
     finish(lowered)
+    stages.append(Stage("lower_linears", lowered, time.perf_counter() - start, linears))
+    start = time.perf_counter()
     error = verify_error(captured, lowered, args)
-    if error is not None:
-        return V4Lowering(program, captured, lowered, linears, error)
-    cfg = model.config
-    dynamic = layer_dynamic_shapes(len(args[2]), cfg.compress_rate(index), cfg.layer_types[index])
-    with size_oblivious(), torch.no_grad():
-        relowered = torch.export.export(lowered, args, dynamic_shapes=dynamic, strict=False)
-    return V4Lowering(relowered, captured, lowered, linears, None)
+    if error is None:
+        cfg = model.config
+        rate, kind = cfg.compress_rate(index), cfg.layer_types[index]
+        dynamic = layer_dynamic_shapes(len(args[2]), rate, kind)
+        with size_oblivious(), torch.no_grad():
+            program = torch.export.export(lowered, args, dynamic_shapes=dynamic, strict=False)
+    stages.append(Stage("verify", captured if error else lowered, time.perf_counter() - start))
+    return V4Lowering(program, captured, lowered, linears, error, tuple(stages))
 
 
 def verify_error(captured: torch.nn.Module, lowered: torch.nn.Module, args: tuple) -> str | None:
