@@ -34,6 +34,7 @@ CASE_MODULES: list[str] = [
     "bench.kernel_cases.attention",
     "bench.kernel_cases.dsa",
     "bench.kernel_cases.v4_attention",
+    "bench.kernel_cases.v4_compressor",
 ]
 
 

@@ -38,6 +38,8 @@ def test_each_layer_type_lowers_to_the_ops(model, index):
     assert ops["mlafx.mla_attention_sparse.default"] == (2 if rate else 1)
     assert ops["mlafx.merge_attn_states.default"] == (1 if rate else 0)
     assert ops["mlafx.dsa_indexer_topk.default"] == (1 if rate == 4 else 0)
+    # the compressors' window closes: the pool's, and on CSA the indexer's keys'
+    assert ops["mlafx.v4_compress_pool.default"] == {0: 0, 4: 2}.get(rate, 1)
     (experts,) = [n for n in lowering.lowered.graph.nodes if "moe_experts" in str(n.target)]
     assert experts.args[-1] == cfg.swiglu_limit  # the clamp reaches the op
     # every linear over a weight is packed; not the grouped o_a_proj's per-group slices, nor

@@ -16,7 +16,8 @@ extents (named ``Dim``s):
     NB  cache blocks (every cache's first dim)
 
 As for MLA layers (``capture.py``), routed experts are recorded as one experts op
-(``mlafx::moe_experts`` with the SwiGLU clamp); the quantized V4 modules already call theirs.
+(``mlafx::moe_experts`` with the SwiGLU clamp; the quantized V4 modules already call theirs),
+and each compressor's window close as ``mlafx::v4_compress_pool``.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from torch.export import Dim, ExportedProgram
 
 from mlafx.config.deepseek_v4 import HCA, DeepseekV4Config
 from mlafx.graph.capture import size_oblivious
+from mlafx.models.deepseek_v4.compressor import PoolCompressor
 from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM, V4DecoderLayer
 from mlafx.models.deepseek_v4.moe import ClampedExperts
 from mlafx.models.deepseek_v4.sparse_step import SparsePool, SparseStep
 from mlafx.models.deepseek_v4.step import PoolStep, SequenceStep, V4StepMetadata, v4_step_metadata
+from mlafx.models.rope import rope_cos_sin
 
 # The metadata leaves every layer reads, then those of a compressed layer's pool, then the
 # visible entries of an HCA layer's.
@@ -176,18 +179,35 @@ def _clamped_experts_forward(self, x, topk_ids, topk_weights):  # type: ignore[n
     )
 
 
+def _compressor_close(self, rows, pool_cache, pool, rope):  # type: ignore[no-untyped-def]
+    cos, sin = rope_cos_sin(pool.close_positions, rope.inv_freq, rope.scale)
+    torch.ops.mlafx.v4_compress_pool(
+        rows, pool.close_sources, pool.close_has_previous, self.position_bias.float(),
+        self.kv_norm.weight.float(), self.kv_norm.eps, cos, sin, self.overlap, pool_cache,
+        pool.close_slots,
+    )  # fmt: skip
+
+
 @contextlib.contextmanager
 def v4_kernels_as_custom_ops() -> Iterator[None]:
     """Within this block V4's routed experts (``ClampedExperts``: a data-dependent grouping
-    that does not trace) run ``mlafx::moe_experts`` with the SwiGLU clamp."""
+    that does not trace) run ``mlafx::moe_experts`` with the SwiGLU clamp, and its compressors
+    close their windows with ``mlafx::v4_compress_pool`` (``PoolCompressor.close``'s
+    arithmetic in one pass over the window's cached rows)."""
     import mlafx.kernels  # noqa: F401  (registers the ops and their fakes)
 
-    original = ClampedExperts.forward
-    ClampedExperts.forward = _clamped_experts_forward  # type: ignore[method-assign]
+    patched = (
+        (ClampedExperts, "forward", _clamped_experts_forward),
+        (PoolCompressor, "close", _compressor_close),
+    )
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patched]
+    for cls, name, method in patched:
+        setattr(cls, name, method)
     try:
         yield
     finally:
-        ClampedExperts.forward = original  # type: ignore[method-assign]
+        for cls, name, method in originals:
+            setattr(cls, name, method)
 
 
 def capture_v4_layer(

@@ -55,6 +55,7 @@ from mlafx.kernels.quant_ops import (
     quant_cpu_isa,
     quantize_linear_weight,
 )
+from mlafx.kernels.v4_compressor_ops import v4_compress_pool
 
 __all__ = [
     "ExtensionLoadError",
@@ -85,6 +86,7 @@ __all__ = [
     "quantize_linear_weight",
     "set_batch_invariant",
     "unpack_linear_weight",
+    "v4_compress_pool",
     "varlen_attention",
     "write_latent_cache",
 ]
