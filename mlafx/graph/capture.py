@@ -27,7 +27,7 @@ the quantized modules as their kernels: ``models/quantized.py``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -340,16 +340,23 @@ def kernels_as_custom_ops() -> Iterator[None]:
     top-k the reference computes over every key row)."""
     import mlafx.kernels  # noqa: F401  (registers the ops and their fakes)
 
-    patched = (
+    with methods_replaced(
         (RoutedExperts, "forward", _experts_forward),
         (QuantizedExperts, "forward", _quantized_experts_forward),
         (QuantizedLinear, "forward", _quantized_linear_forward),
         (Fp8Experts, "forward", _fp8_experts_forward),
         (Fp8Linear, "forward", _fp8_linear_forward),
         (Indexer, "select", _indexer_select),
-    )
-    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patched]
-    for cls, name, method in patched:
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def methods_replaced(*replacements: tuple[type, str, Callable[..., Any]]) -> Iterator[None]:
+    """Within this block each ``(class, name, method)``'s method is ``method``; restored after
+    (also on error)."""
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in replacements]
+    for cls, name, method in replacements:
         setattr(cls, name, method)
     try:
         yield

@@ -31,7 +31,7 @@ from torch import nn
 from torch.export import Dim, ExportedProgram
 
 from mlafx.config.deepseek_v4 import HCA, DeepseekV4Config
-from mlafx.graph.capture import size_oblivious
+from mlafx.graph.capture import methods_replaced, size_oblivious
 from mlafx.models.deepseek_v4.compressor import PoolCompressor
 from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM, V4DecoderLayer
 from mlafx.models.deepseek_v4.moe import ClampedExperts
@@ -196,18 +196,11 @@ def v4_kernels_as_custom_ops() -> Iterator[None]:
     arithmetic in one pass over the window's cached rows)."""
     import mlafx.kernels  # noqa: F401  (registers the ops and their fakes)
 
-    patched = (
+    with methods_replaced(
         (ClampedExperts, "forward", _clamped_experts_forward),
         (PoolCompressor, "close", _compressor_close),
-    )
-    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patched]
-    for cls, name, method in patched:
-        setattr(cls, name, method)
-    try:
+    ):
         yield
-    finally:
-        for cls, name, method in originals:
-            setattr(cls, name, method)
 
 
 def capture_v4_layer(
