@@ -14,7 +14,8 @@ an empty key set (``L = -inf``) giving 0, as the reference's softmax over the si
 
 This is the path the issue names ("window and pool parts merged by the existing merge op"),
 measured by ``mlafx bench kernels --only v4`` and held to the reference by
-``tests/test_v4_attention_ops.py``; the V4 engine still runs the eager reference.
+``tests/test_v4_attention_ops.py``; ``V4Attention.sparse_attention`` calls it, eagerly and in
+the compiled layers.
 """
 
 from __future__ import annotations
