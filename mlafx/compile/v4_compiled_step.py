@@ -180,15 +180,15 @@ class CompiledV4Step:
         """The step on V4's own metadata (``v4_step_metadata(..., sparse=True)``), as the
         reference model's forward takes it."""
         model, cfg = self.model, self.model.config
-        x = model.model.embed_tokens(input_ids)
-        x = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        layers = zip(self.layers, caches_by_layer(cfg, caches), strict=True)
-        for i, (runner, own) in enumerate(layers):
-            leaves = v4_layer_leaves(v4_meta, self.rates[i], cfg.layer_types[i])
-            (x,) = runner.run_flat([x, input_ids, *own, *leaves])
         with torch.no_grad():
+            x = model.model.embed_tokens(input_ids)
+            x = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+            layers = zip(self.layers, caches_by_layer(cfg, caches), strict=True)
+            for i, (runner, own) in enumerate(layers):
+                leaves = v4_layer_leaves(v4_meta, self.rates[i], cfg.layer_types[i])
+                (x,) = runner.run_flat([x, input_ids, *own, *leaves])
             h = model.model.norm(model.model.hc_head(x.index_select(0, logits_indices)))
-        return torch.ops.mlafx.linear_packed(h, self.lm_head_packed, cfg.vocab_size, None)
+            return torch.ops.mlafx.linear_packed(h, self.lm_head_packed, cfg.vocab_size, None)
 
 
 def compile_v4_step(
