@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram
 
-from mlafx.config.deepseek_v4 import HCA, DeepseekV4Config
+from mlafx.config.deepseek_v4 import HCA, DeepseekV4Config, pool_rows_per_block
 from mlafx.graph.capture import methods_replaced, size_oblivious
 from mlafx.models.deepseek_v4.compressor import PoolCompressor
 from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM, V4DecoderLayer
@@ -39,26 +39,13 @@ from mlafx.models.deepseek_v4.sparse_step import SparsePool, SparseStep
 from mlafx.models.deepseek_v4.step import PoolStep, SequenceStep, V4StepMetadata, v4_step_metadata
 from mlafx.models.rope import rope_cos_sin
 
-# The metadata leaves every layer reads, then those of a compressed layer's pool, then the
-# visible entries of an HCA layer's.
-STEP_LEAVES = ("positions", "slot_mapping", "query_start_loc", "block_table", "kv_lens", "window")
-POOL_LEAVES = (
-    "close_slots",
-    "close_sources",
-    "close_has_previous",
-    "close_positions",
-    "pool_table",
-    "pool_lens",
-    "last_visible",
-)
 
-
-def v4_layer_leaves(
-    meta: V4StepMetadata, rate: int, kind: str, visible: torch.Tensor | None = None
-) -> list[torch.Tensor]:
+def v4_layer_leaves(meta: V4StepMetadata, rate: int, kind: str) -> list[torch.Tensor]:
     """The metadata tensors a layer of compression rate ``rate`` (0: sliding) and type
-    ``kind`` reads, in ``V4LayerStep``'s order. ``visible``: the HCA pool's visible entries
-    when the caller has them already (one tensor per step, whatever the layer)."""
+    ``kind`` reads, in ``V4LayerStep``'s order: the step's (positions, slots, the token block
+    table and lengths, window positions), then on a compressed layer its pool's (closing
+    entries, paged table, lengths, last visible entries) and on an HCA layer every visible
+    entry (made once per step: ``SparsePool.visible`` is cached)."""
     sparse = meta.sparse
     if sparse is None:
         raise ValueError("a compiled V4 layer runs on the sparse step metadata (sparse=True)")
@@ -73,7 +60,7 @@ def v4_layer_leaves(
             paged.table, paged.lens, paged.last_visible,
         ]  # fmt: skip
         if kind == HCA:
-            leaves.append(paged.visible if visible is None else visible)
+            leaves.append(paged.visible)
     return leaves
 
 
@@ -162,8 +149,6 @@ def sample_layer_args(model: DeepseekV4ForCausalLM, index: int, block_size: int)
     rate = cfg.compress_rate(index)
     rows = [block_size] * len(tokens_widths)
     if pool_widths:
-        from mlafx.config.deepseek_v4 import pool_rows_per_block
-
         rows += [pool_rows_per_block(rate, block_size)] * len(pool_widths)
     caches = [
         torch.zeros(num_blocks, r, w, dtype=model.dtype)
