@@ -19,6 +19,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "bf16_bits.h"
 #include "cpu_features.h"
 #include "latent_cache.h"
 #include "parallel_chunks.h"
@@ -26,20 +27,6 @@
 namespace {
 
 // ---- Scalar reference conversions ------------------------------------------------------
-
-// fp32 -> bf16 bits, round to nearest even. NaNs follow VCVTNEPS2BF16 (quiet bit set, sign
-// and top payload kept), so the portable and AVX-512 paths write identical bytes. torch
-// itself is not consistent here (its AVX-512 copy writes 0xffff for every NaN, its scalar
-// path 0x7fc0), so NaN bytes are not compared with torch; only NaN-ness is promised.
-inline uint16_t fp32_to_bf16_bits(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {
-    return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  }
-  const uint32_t lsb = (bits >> 16) & 1u;
-  return static_cast<uint16_t>((bits + 0x7fffu + lsb) >> 16);
-}
 
 template <typename dst_t>
 inline dst_t cast_rne(float value);
@@ -56,7 +43,7 @@ inline c10::Half cast_rne<c10::Half>(float value) {
 
 template <>
 inline c10::BFloat16 cast_rne<c10::BFloat16>(float value) {
-  return c10::BFloat16(fp32_to_bf16_bits(value), c10::BFloat16::from_bits());
+  return c10::BFloat16(mlafx::fp32_to_bf16_bits(value), c10::BFloat16::from_bits());
 }
 
 // Every source dtype widens to fp32 exactly, so one rounding step from fp32 gives the same

@@ -14,8 +14,8 @@
 //   overlap       bool               CSA (2m slots) or HCA (window w's m)
 //   pool          [NB', P, c]        rows' dtype, contiguous, written in place
 //   slots         [N] int64          pool slot of each entry
-// Entries are independent: threads split them. AVX-512 (the same loops compiled for it) when
-// use_avx512_bf16() for fp32 and bf16; fp16 and other CPUs: the portable loops.
+// Entries are independent: threads split them. AVX-512 (v4_compressor_avx512.cpp: 16 channels
+// at a time) when use_avx512_bf16() for fp32 and bf16; fp16 and other CPUs: the portable loops.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
@@ -28,6 +28,7 @@
 #include <limits>
 #include <vector>
 
+#include "bf16_bits.h"
 #include "cpu_features.h"
 #include "op_checks.h"
 #include "v4_compressor_entry.h"

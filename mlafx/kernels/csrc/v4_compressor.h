@@ -1,7 +1,8 @@
-// v4_compress_pool's entries (the problem: v4_compressor_entry.h), one range of them at a time (v4_compressor.cpp: the op,
-// portable; v4_compressor_avx512.cpp: the same loops compiled for AVX-512). Included inside an
-// unnamed namespace by each of them: every function here has internal linkage, so the
-// AVX-512 object's copies can never stand in for the portable ones.
+// v4_compress_pool's arithmetic (the problem: v4_compressor_entry.h): the portable loops over
+// a range of entries (compress_entries), and what both forms share (finish_entry, slot_plan,
+// Bits). Included inside an unnamed namespace by v4_compressor.cpp (the op, portable) and
+// v4_compressor_avx512.cpp (its own 16-channel loops): every function here has internal
+// linkage, so the AVX-512 object's copies can never stand in for the portable ones.
 //
 // Entry n (window w closing), channel j < c, over its L slots (CSA: 2m, window w-1's series A
 // then window w's series B; HCA: m, window w's):
@@ -12,9 +13,8 @@
 //   e    = rope(e)                                    (last R dims, interleaved pairs, cos/sin)
 // which is PoolCompressor.close's arithmetic (models/deepseek_v4/compressor.py), rounding
 // where it rounds.
-// The includer includes <algorithm>, <cmath>, <cstdint>, <cstring>, <limits> and
+// The includer includes <algorithm>, <cmath>, <cstdint>, <cstring>, <limits>, bf16_bits.h and
 // v4_compressor_entry.h first (outside the unnamed namespace).
-
 
 // fp32 <-> the cache dtype's bits. bf16 rounds to nearest even (NaN kept quiet).
 template <typename T>
@@ -30,27 +30,9 @@ struct Bf16 {
 };
 template <>
 struct Bits<Bf16> {
-  static float load(const Bf16* p) {
-    const uint32_t u = static_cast<uint32_t>(p->bits) << 16;
-    float v;
-    std::memcpy(&v, &u, sizeof(v));
-    return v;
-  }
-  static uint16_t to_bits(float v) {
-    uint32_t u;
-    std::memcpy(&u, &v, sizeof(u));
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-      return static_cast<uint16_t>((u >> 16) | 0x0040u);
-    }
-    return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
-  static void store(Bf16* p, float v) { p->bits = to_bits(v); }
-  static float round(float v) {
-    const uint32_t u = static_cast<uint32_t>(to_bits(v)) << 16;
-    float r;
-    std::memcpy(&r, &u, sizeof(r));
-    return r;
-  }
+  static float load(const Bf16* p) { return mlafx::bf16_bits_to_fp32(p->bits); }
+  static void store(Bf16* p, float v) { p->bits = mlafx::fp32_to_bf16_bits(v); }
+  static float round(float v) { return mlafx::bf16_bits_to_fp32(mlafx::fp32_to_bf16_bits(v)); }
 };
 
 // Floats of scratch one thread's compress_entries (either form) needs.

@@ -13,6 +13,7 @@
 
 #include "attention_avx512_math.h"
 #include "bf16_avx512.h"
+#include "bf16_bits.h"
 #include "v4_compressor_entry.h"
 
 namespace {
