@@ -225,7 +225,7 @@ def test_bad_minicpm3_configs_are_refused_naming_the_field(overrides, field):
         ModelConfig.from_hf_dict(minicpm3_4b(**overrides))
 
 
-@pytest.mark.parametrize("model_type", ["mistral4", "kimi_linear", "hy_v4", "deepseek_v4"])
+@pytest.mark.parametrize("model_type", ["mistral4", "kimi_linear", "hy_v4"])
 def test_other_mla_families_are_refused_with_what_they_need(model_type):
     from mlafx.config.model_config import UNSUPPORTED_MLA_MODEL_TYPES
 
@@ -246,11 +246,17 @@ def test_every_mla_model_type_of_transformers_is_served_or_refused_by_name():
     from mlafx.config.model_config import (
         _FAMILIES,
         _SPARSE_MODEL_TYPES,
+        OWN_STEP_MODEL_TYPES,
         UNSUPPORTED_MLA_MODEL_TYPES,
     )
 
     models = pathlib.Path(transformers.__file__).parent / "models"
-    known = set(_FAMILIES) | set(UNSUPPORTED_MLA_MODEL_TYPES) | _SPARSE_MODEL_TYPES
+    known = (
+        set(_FAMILIES)
+        | set(UNSUPPORTED_MLA_MODEL_TYPES)
+        | set(OWN_STEP_MODEL_TYPES)
+        | _SPARSE_MODEL_TYPES
+    )
     missing = []
     for modelling in sorted(models.glob("*/modeling_*.py")):
         if "kv_lora_rank" not in modelling.read_text():

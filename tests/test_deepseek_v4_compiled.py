@@ -111,3 +111,14 @@ def test_inspect_shows_each_layer_kind_and_its_ops(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "layer kind heavily_compressed_attention+moe (layers [2])" in text
     assert text.count("== stage") == 4  # one lower_linears stage per kind
+
+
+def test_export_refuses_v4_naming_what_serves_it(tmp_path, capsys):
+    from mlafx.cli import main
+
+    transformers_v4(seed=0).save_pretrained(tmp_path / "v4")
+    flags = ["--model", str(tmp_path / "v4"), "--format", "pt2", "--output", str(tmp_path / "a")]
+    assert main(["export", *flags]) == 2
+    error = capsys.readouterr().err
+    assert "'deepseek_v4' is not an MLA step's model" in error and "export" in error
+    assert not (tmp_path / "a").exists()

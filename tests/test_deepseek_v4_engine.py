@@ -197,6 +197,7 @@ def test_dummy_bf16_weights_compiled_as_eager(checkpoint):
         ({"allow_unlowered": True}, "allow_unlowered"),
         ({"compile": False, "hf_overrides": {"num_hidden_layers": 2}}, "hf_overrides"),
         ({"compile": False, "block_size": 12}, "one must divide the other"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ],
 )
 def test_what_is_not_served_yet_is_refused_by_name(checkpoint, options, named):

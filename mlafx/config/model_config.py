@@ -5,7 +5,8 @@ Built from a Hugging Face ``config.json`` (``deepseek_v2``, ``deepseek_v3``/``ki
 ``kimi_k25`` does) with optional ``hf_overrides`` applied over the file before validation,
 like vLLM's ``--hf-overrides``. Every error names the offending field; a ``transformers``
 model type with MLA attention that mlafx cannot serve yet is refused naming what it lacks
-(``UNSUPPORTED_MLA_MODEL_TYPES``).
+(``UNSUPPORTED_MLA_MODEL_TYPES``), and one served by its own step (DeepSeek-V4) naming what
+takes it (``OWN_STEP_MODEL_TYPES``).
 
 Symbols (DESIGN.md): D = hidden_size, H = num_attention_heads, Lkv = kv_lora_rank,
 R = qk_rope_head_dim, P = qk_nope_head_dim, V = v_head_dim, Lq = q_lora_rank.
@@ -69,9 +70,14 @@ UNSUPPORTED_MLA_MODEL_TYPES = {
     "glm5_next": "KDA linear-attention layers, hyper-connections and a pooled DSA indexer",
     "glm5_next_text": "KDA linear-attention layers, hyper-connections and a pooled DSA indexer",
     "kimi_linear": "KDA linear-attention layers (a hybrid: 3 of 4 layers are not MLA)",
-    "deepseek_v4": "its own step, which only LLM(checkpoint, compile=False) serves (the "
-    "reference model of mlafx.models.deepseek_v4); the compiled step, export, inspect and "
-    "tensor parallelism do not take it yet",
+}
+# Model types mlafx serves with their own step, not ModelConfig's MLA step: what takes them and
+# what does not (ModelConfig is the MLA paths': export, tensor parallelism).
+OWN_STEP_MODEL_TYPES = {
+    "deepseek_v4": "DeepSeek-V4 has its own step (mlafx.models.deepseek_v4, "
+    "config/deepseek_v4.py), which LLM(checkpoint), `mlafx run`, `mlafx serve` and `mlafx "
+    "inspect` take (compiled per layer kind, or compile=False); export and tensor parallelism "
+    "do not take it yet",
 }
 # Sparse-attention model types refused: a DSA variant mlafx does not serve (any other config
 # with ``index_topk`` is refused too).
@@ -600,10 +606,16 @@ def _family_keys(cfg: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
     a clear ``ConfigError`` for a model type mlafx does not serve."""
     model_type = cfg.get("model_type")
     sparse = model_type in _SPARSE_MODEL_TYPES or cfg.get("index_topk") is not None
-    if sparse and model_type not in UNSUPPORTED_MLA_MODEL_TYPES | SPARSE_MODEL_TYPES.keys():
+    refused = UNSUPPORTED_MLA_MODEL_TYPES.keys() | OWN_STEP_MODEL_TYPES.keys()
+    if sparse and model_type not in refused | SPARSE_MODEL_TYPES.keys():
         raise ConfigError(
             f"model_type {model_type!r} uses sparse attention (config field 'index_topk'), "
             f"which mlafx serves only as {' and '.join(SPARSE_MODEL_TYPES)} define it"
+        )
+    if model_type in OWN_STEP_MODEL_TYPES:
+        raise ConfigError(
+            f"config field 'model_type'={model_type!r} is not an MLA step's model: "
+            f"{OWN_STEP_MODEL_TYPES[model_type]}"
         )
     if model_type in UNSUPPORTED_MLA_MODEL_TYPES:
         raise ConfigError(
