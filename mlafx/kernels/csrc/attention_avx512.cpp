@@ -131,7 +131,7 @@ inline void qk_tile(const uint32_t* qp, int64_t gp, int64_t pa, int64_t pb,
   // Odd widths: the last element of a segment has no partner; fp32 FMA for it.
   if (tail_a) {
     for (int m = 0; m < M; ++m) {
-      const __m512 kk = _mm512_set1_ps(bf16_to_float(ka[m][wa - 1]));
+      const __m512 kk = _mm512_set1_ps(bf16_bits_to_fp32(ka[m][wa - 1]));
       for (int v = 0; v < NV; ++v) {
         acc[m][v] = _mm512_fmadd_ps(_mm512_loadu_ps(qtail + 16 * v), kk, acc[m][v]);
       }
@@ -139,7 +139,7 @@ inline void qk_tile(const uint32_t* qp, int64_t gp, int64_t pa, int64_t pb,
   }
   if (tail_b) {
     for (int m = 0; m < M; ++m) {
-      const __m512 kk = _mm512_set1_ps(bf16_to_float(kb[m][wb - 1]));
+      const __m512 kk = _mm512_set1_ps(bf16_bits_to_fp32(kb[m][wb - 1]));
       for (int v = 0; v < NV; ++v) {
         acc[m][v] = _mm512_fmadd_ps(_mm512_loadu_ps(qtail + kMaxRows + 16 * v), kk, acc[m][v]);
       }
@@ -349,8 +349,8 @@ void begin(void* ws, const CoreDims& d, int64_t num_rows, const void* const* q_r
     for (int64_t kp = 0; kp < L.pb; ++kp) {
       qp[(L.pa + kp) * gp + g] = load_pair(row + d.wa + 2 * kp);
     }
-    qtail[g] = (d.wa & 1) != 0 ? bf16_to_float(row[d.wa - 1]) : 0.f;
-    qtail[kMaxRows + g] = (d.wb & 1) != 0 ? bf16_to_float(row[d.wa + d.wb - 1]) : 0.f;
+    qtail[g] = (d.wa & 1) != 0 ? bf16_bits_to_fp32(row[d.wa - 1]) : 0.f;
+    qtail[kMaxRows + g] = (d.wb & 1) != 0 ? bf16_bits_to_fp32(row[d.wa + d.wb - 1]) : 0.f;
     // Limits beyond int32 are clamped: no key list is that long.
     lim[g] = static_cast<int32_t>(limits[g] < INT32_MAX ? limits[g] : INT32_MAX);
   }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16_bits.h"  // bf16_bits_to_fp32 for scalar tails
 #include "workspace_layout.h"
 
 #if !defined(__AVX512F__)
@@ -22,14 +23,6 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // Widths padded to 16 lanes (the workspace itself: workspace_layout.h).
 inline int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
-
-// One bf16 value (its bits) widened to fp32, exactly.
-inline float bf16_to_float(uint16_t bits) {
-  const uint32_t x = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &x, sizeof(f));
-  return f;
-}
 
 // Two adjacent bf16 values as one 32-bit word (a "pair" of the dot-product layouts).
 inline uint32_t load_pair(const uint16_t* p) {

@@ -34,7 +34,7 @@ constexpr int kVecs = 4;
 constexpr int64_t kAhead = 12;  // w rows prefetched ahead
 
 inline float to_float(BmmElem e, uint16_t v) {
-  return e == BmmElem::kFp16 ? _cvtsh_ss(v) : bf16_to_float(v);
+  return e == BmmElem::kFp16 ? _cvtsh_ss(v) : bf16_bits_to_fp32(v);
 }
 
 // 16 elements (fewer under `mask`, the rest 0) widened to fp32.

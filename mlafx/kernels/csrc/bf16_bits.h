@@ -1,6 +1,6 @@
-// fp32 <-> bf16 bits (to bf16: round to nearest even), for scalar code in portable and AVX-512 sources
-// alike: `static`, so every object keeps its own copy (one compiled with AVX-512 flags can
-// never stand in for a portable caller's).
+// fp32 <-> bf16 bits (to bf16: round to nearest even), for scalar code in portable and AVX-512
+// sources alike: `static`, so every object keeps its own copy (one compiled with AVX-512 flags
+// can never stand in for a portable caller's).
 #pragma once
 
 #include <cstdint>

@@ -59,7 +59,7 @@ void begin(void* ws, const IndexerDims& d, int64_t nq, const void* const* q_rows
         }
         qp[p * rows + r] = pair;
       }
-      qtail[r] = real && (d.dim & 1) != 0 ? bf16_to_float(bf16_bits(src, d.dim - 1)) : 0.f;
+      qtail[r] = real && (d.dim & 1) != 0 ? bf16_bits_to_fp32(bf16_bits(src, d.dim - 1)) : 0.f;
       w[r] = real ? w_rows[i][h * w_head_stride] : 0.f;
     }
   }
@@ -95,7 +95,7 @@ inline void slab(const uint32_t* qp, int64_t rows, int64_t r0, int64_t pairs, bo
   }
   if (tail) {  // odd Di: the last element has no partner; fp32 FMA for it
     for (int m = 0; m < M; ++m) {
-      const __m512 kk = _mm512_set1_ps(bf16_to_float(keys[m][dim - 1]));
+      const __m512 kk = _mm512_set1_ps(bf16_bits_to_fp32(keys[m][dim - 1]));
       for (int v = 0; v < NV; ++v) {
         acc[m][v] = _mm512_fmadd_ps(_mm512_loadu_ps(qtail + r0 + 16 * v), kk, acc[m][v]);
       }
