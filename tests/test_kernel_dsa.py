@@ -286,8 +286,8 @@ def test_sparse_invalid_selection_raises(row, error, match):
 # ---- ISA paths -------------------------------------------------------------------------------
 
 _ROOT = Path(__file__).resolve().parents[1]
-# Representative tests (both ops, every dtype, splits, ties, odd widths, the indexer's property
-# tests) rerun per path.
+# Representative tests (both ops and V4's one-pass attention on the same core, every dtype,
+# splits, ties, odd widths, the property tests) rerun per path.
 _SUBSET = [
     "tests/test_kernel_dsa.py::test_isa_is_the_expected_one",
     "tests/test_kernel_dsa.py::test_indexer_exact_scores_match_reference",
@@ -299,6 +299,10 @@ _SUBSET = [
     "tests/test_kernel_dsa.py::test_sparse_deepseek_decode_shape",
     "tests/test_kernel_dsa.py::test_sparse_single_query_split_across_threads",
     "tests/test_kernel_dsa.py::test_sparse_empty_selection_gives_zero_and_neg_inf",
+    "tests/test_v4_attention_ops.py::test_matches_attend_with_sinks",
+    "tests/test_v4_attention_ops.py::test_long_key_lists_split_across_threads",
+    "tests/test_v4_attention_ops.py::test_batch_invariant_mode_cuts_the_keys_in_pieces",
+    "tests/test_v4_attention_ops.py::test_no_keys_gives_zero",
 ]
 _PATHS = {
     "portable": ({"MLAFX_DISABLE_AVX512": "1"}, ("portable",)),

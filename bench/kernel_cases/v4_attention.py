@@ -1,6 +1,8 @@
-"""DeepSeek-V4-Flash decode attention (``mlafx.kernels.v4_sparse_attention``: the indexer's
-top-k, the window and pool passes of ``mla_attention_sparse``, the merge and the sink) against
-DeepSeek-V3's dense latent attention (``mla_attention_paged``) at the same context.
+"""DeepSeek-V4-Flash decode attention (the indexer's top-k and ``mlafx.kernels.
+v4_sparse_attention``: ``v4_attention``, one pass over the window rows and pool entries with the
+sink) against DeepSeek-V3's dense latent attention (``mla_attention_paged``) at the same
+context, and each V4 layer against the two-pass form (*two-pass*: a ``mla_attention_sparse``
+pass per cache, ``merge_attn_states``, the sink as ``out * sigmoid(lse - sink)`` in torch).
 
 V4-Flash's shapes are ``DeepseekV4Config``'s defaults (transformers' too): 43 layers, 20 CSA
 and 23 HCA, 64 heads of one 512-wide K=V row, a window of 128 rows; CSA pools one entry per 4
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 import resource
+from functools import partial
 
 import torch
 
@@ -34,6 +37,19 @@ from mlafx.kernels.v4_attention import v4_sparse_attention
 BLOCK, POOL_BLOCK = 64, 16
 V3_LAYERS, V3_HEADS, V3_LKV, V3_R = 61, 128, 512, 64
 ELEM = 2  # bf16
+
+
+def _two_pass(q, qsl, window_cache, window_table, window_lens, window_selected, sinks, scale,
+              pool):  # fmt: skip
+    """The baseline: the window and pool as two sparse passes, merged, the sink in torch."""
+    width = q.shape[-1]
+    out, lse = K.mla_attention_sparse(q, window_cache, window_table, window_lens, qsl,
+                                      window_selected, scale, width)  # fmt: skip
+    pool_out, pool_lse = K.mla_attention_sparse(q, pool[0], pool[1], pool[2], qsl, pool[3],
+                                                scale, width)  # fmt: skip
+    out, lse = K.merge_attn_states(pool_out, pool_lse, out, lse)
+    keep = torch.sigmoid(lse - sinks[:, None])
+    return (out.float() * keep.T[..., None]).to(q.dtype)
 
 
 def _paged(batch: int, entries: int, width: int, block: int, gen: torch.Generator):
@@ -73,13 +89,13 @@ def _cases(cfg: DeepseekV4Config, batch: int, ctx: int, gen: torch.Generator):
     hca_pool = _paged(batch, hca_entries, c, POOL_BLOCK, gen)
     every_entry = torch.arange(hca_entries).expand(batch, hca_entries).contiguous()
 
-    def csa() -> torch.Tensor:
+    def csa(attend=v4_sparse_attention) -> torch.Tensor:
         chosen = K.dsa_indexer_topk(q_idx, weights, index_pool[0], index_pool[1], index_pool[2],
                                     qsl, last_entry, cfg.index_topk)  # fmt: skip
-        return v4_sparse_attention(q, qsl, *window, sinks, scale, (*csa_pool, chosen))
+        return attend(q, qsl, *window, sinks, scale, (*csa_pool, chosen))
 
-    def hca() -> torch.Tensor:
-        return v4_sparse_attention(q, qsl, *window, sinks, scale, (*hca_pool, every_entry))
+    def hca(attend=v4_sparse_attention) -> torch.Tensor:
+        return attend(q, qsl, *window, sinks, scale, (*hca_pool, every_entry))
 
     v3_q = torch.randn(batch, V3_HEADS, V3_LKV + V3_R, generator=gen, dtype=torch.bfloat16)
     latent = _paged(batch, ctx, V3_LKV + V3_R, BLOCK, gen)
@@ -106,9 +122,12 @@ def run(roofline: Roofline, *, quick: bool, threads: list[int]) -> list[Row]:
         for ctx in contexts:
             for batch in batches:
                 csa, hca, v3 = _cases(cfg, batch, ctx, gen)
-                t_csa, t_hca, t_v3 = (
-                    median_seconds(f, repeats=3, warmup=1) for f in (csa, hca, v3)
+                # V4's layers take 0.1-7 ms: the median of 15 runs each (the V3 layer's of 3)
+                t_csa, t_csa2, t_hca, t_hca2 = (
+                    median_seconds(f, repeats=15, warmup=2)
+                    for f in (csa, partial(csa, _two_pass), hca, partial(hca, _two_pass))
                 )
+                t_v3 = median_seconds(v3, repeats=3, warmup=1)
                 window_bytes = batch * w * c * ELEM
                 csa_entries = ctx // cfg.csa_compress_rate
                 csa_bytes = window_bytes + batch * ELEM * (
@@ -129,9 +148,11 @@ def run(roofline: Roofline, *, quick: bool, threads: list[int]) -> list[Row]:
                 v3_step = V3_LAYERS * t_v3
                 rows += [
                     make_row(roofline, op="v4 csa layer", case=case, seconds=t_csa,
-                             num_bytes=csa_bytes, flops=csa_flops, **common),
+                             num_bytes=csa_bytes, flops=csa_flops,
+                             baselines_s={"two-pass": t_csa2}, **common),
                     make_row(roofline, op="v4 hca layer", case=case, seconds=t_hca,
-                             num_bytes=hca_bytes, flops=hca_flops, **common),
+                             num_bytes=hca_bytes, flops=hca_flops,
+                             baselines_s={"two-pass": t_hca2}, **common),
                     make_row(roofline, op="v3 dense layer", case=case, seconds=t_v3,
                              num_bytes=v3_bytes, flops=v3_flops, **common),
                     make_row(roofline, op="v4-flash step attention", case=case,
@@ -145,7 +166,8 @@ def run(roofline: Roofline, *, quick: bool, threads: list[int]) -> list[Row]:
                     f"({num_csa} CSA x {t_csa * 1e3:.2f} + {num_hca} HCA x {t_hca * 1e3:.2f}) "
                     f"vs V3's {v3_step * 1e3:.1f} ms ({V3_LAYERS} x {t_v3 * 1e3:.2f}) = "
                     f"{v3_step / v4_step:.1f}x; reads {v4_bytes / 1e6:.1f} vs "
-                    f"{V3_LAYERS * v3_bytes / 1e6:.0f} MB; peak RSS {peak:.0f} MB",
+                    f"{V3_LAYERS * v3_bytes / 1e6:.0f} MB; two-pass layers {t_csa2 * 1e3:.2f} / "
+                    f"{t_hca2 * 1e3:.2f} ms; peak RSS {peak:.0f} MB",
                     flush=True,
                 )
                 del csa, hca, v3

@@ -1,7 +1,7 @@
 """The passes of a DeepSeek-V4 layer (``graph/capture_v4.py``'s ``V4LayerStep``).
 
 V4's model already calls mlafx's ops where the MLA passes would put them: attention on
-``mla_attention_sparse`` + ``merge_attn_states`` (``kernels/v4_attention.py``), the indexer on
+``v4_attention`` (``kernels/v4_attention.py``), the indexer on
 ``dsa_indexer_topk``, experts on ``moe_experts*`` (the capture records them), FP8 linears on
 ``linear_fp8``. What is left to lower:
 

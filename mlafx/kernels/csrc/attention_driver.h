@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -58,6 +59,25 @@ constexpr int64_t kMaxItemPieces = 16;
 //   int64_t num_groups(); int64_t group_keys(g); int64_t group_rows(g);
 //   void rows(g, const void** q, int64_t* limits, void** out, float** lse);
 //   void keys(g, j0, n, const void** ka, const void** kb, const void** v);
+// and optionally
+//   void finish(g, float* const* out_f32, float* const* lse);
+// with which every row of the group ends in fp32 (whole items, pieces and split merges alike)
+// and finish() writes the outputs from those rows and their LSEs (v4_attention: the sink
+// scales each row before its one rounding). Without it the core writes `out` directly.
+template <typename Problem, typename = void>
+struct FinishesRows : std::false_type {};
+template <typename Problem>
+struct FinishesRows<Problem, std::void_t<decltype(&Problem::finish)>> : std::true_type {};
+
+// This thread's fp32 rows for a group a Problem finishes (kMaxRows x dv).
+inline float* finish_rows(int64_t dv, float** rows) {
+  thread_local std::vector<float> stage;
+  stage.resize(static_cast<size_t>(kMaxRows * dv));
+  for (int64_t g = 0; g < kMaxRows; ++g) {
+    rows[g] = stage.data() + g * dv;
+  }
+  return stage.data();
+}
 
 // The work of one call: items over the query groups, a group split along its keys when there
 // are too few groups for the threads (or always, in batch-invariant mode).
@@ -233,13 +253,25 @@ void run_pieces(const Problem& problem, const CoreOps& core, const CoreDims& dim
   }
   const float* row_parts[kMaxItemPieces];
   const float* row_lse[kMaxItemPieces];
+  float* finished[kMaxRows];
+  if constexpr (FinishesRows<Problem>::value) {
+    finish_rows(dims.dv, finished);
+  }
   for (int64_t g = 0; g < rows; ++g) {
     for (int64_t p = 0; p < count; ++p) {
       row_parts[p] = piece_out.data() + (p * kMaxRows + g) * dims.dv;
       row_lse[p] = piece_lse.data() + p * kMaxRows + g;
     }
-    merge_row_dtype(out_dtype, row_parts, row_lse, count, dims.dv, out[g], lse[g], parts,
-                    part_lse, weights);
+    if constexpr (FinishesRows<Problem>::value) {
+      merge_row(row_parts, row_lse, count, dims.dv, finished[g], lse[g], parts, part_lse,
+                weights);
+    } else {
+      merge_row_dtype(out_dtype, row_parts, row_lse, count, dims.dv, out[g], lse[g], parts,
+                      part_lse, weights);
+    }
+  }
+  if constexpr (FinishesRows<Problem>::value) {
+    problem.finish(item.group, finished, lse);
   }
 }
 
@@ -302,7 +334,13 @@ void run_items(const Problem& problem, const CoreOps& core, const CoreDims& dims
           cur = 1 - cur;
         }
         if (item.split < 0) {
-          core.end(ws, dims, out, nullptr, lse);
+          if constexpr (FinishesRows<Problem>::value) {
+            finish_rows(dims.dv, out_f32);
+            core.end(ws, dims, nullptr, out_f32, lse);
+            problem.finish(item.group, out_f32, lse);
+          } else {
+            core.end(ws, dims, out, nullptr, lse);
+          }
         } else {
           for (int64_t g = 0; g < rows; ++g) {
             out_f32[g] = partials.out_row(item.split, g);
@@ -329,6 +367,10 @@ void merge_splits_as(const Problem& problem, const AttentionPlan& plan, const Pa
     std::vector<const float*> parts, row_parts;
     std::vector<const float*> row_lse;
     std::vector<float> part_lse, weights;
+    float* finished[kMaxRows];
+    if constexpr (FinishesRows<Problem>::value) {
+      finish_rows(dv, finished);
+    }
     for (int64_t s = b; s < e; ++s) {
       const int64_t group = plan.split_groups[s];
       const int64_t rows = problem.group_rows(group);
@@ -341,8 +383,16 @@ void merge_splits_as(const Problem& problem, const AttentionPlan& plan, const Pa
           row_parts[k] = partials.out_row(plan.first_split[s] + k, g);
           row_lse[k] = partials.lse_row(plan.first_split[s] + k, g);
         }
-        merge_row(row_parts.data(), row_lse.data(), count, dv, static_cast<Out*>(out[g]), lse[g],
-                  parts, part_lse, weights);
+        if constexpr (FinishesRows<Problem>::value) {
+          merge_row(row_parts.data(), row_lse.data(), count, dv, finished[g], lse[g], parts,
+                    part_lse, weights);
+        } else {
+          merge_row(row_parts.data(), row_lse.data(), count, dv, static_cast<Out*>(out[g]),
+                    lse[g], parts, part_lse, weights);
+        }
+      }
+      if constexpr (FinishesRows<Problem>::value) {
+        problem.finish(group, finished, lse);
       }
     }
   });

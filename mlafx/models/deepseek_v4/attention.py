@@ -159,8 +159,8 @@ class V4Attention(nn.Module):
         pool_cache: torch.Tensor | None,
         meta: V4StepMetadata,
     ) -> torch.Tensor:  # [T, H, c]
-        """The same on mlafx's ops over the paged caches: ``v4_sparse_attention`` (window and
-        pool passes of ``mla_attention_sparse``, merged, the sink) and on CSA layers the
+        """The same on mlafx's ops over the paged caches: ``v4_sparse_attention`` (one pass of
+        ``v4_attention`` over the window rows and pool entries, the sink) and on CSA layers the
         indexer's ``dsa_indexer_topk``."""
         sparse = meta.sparse
         assert sparse is not None
