@@ -70,13 +70,12 @@ template <typename Problem>
 struct FinishesRows<Problem, std::void_t<decltype(&Problem::finish)>> : std::true_type {};
 
 // This thread's fp32 rows for a group a Problem finishes (kMaxRows x dv).
-inline float* finish_rows(int64_t dv, float** rows) {
+inline void finish_rows(int64_t dv, float** rows) {
   thread_local std::vector<float> stage;
   stage.resize(static_cast<size_t>(kMaxRows * dv));
   for (int64_t g = 0; g < kMaxRows; ++g) {
     rows[g] = stage.data() + g * dv;
   }
-  return stage.data();
 }
 
 // The work of one call: items over the query groups, a group split along its keys when there
