@@ -58,14 +58,7 @@ std::tuple<at::Tensor, at::Tensor> mla_attention_sparse(
   if (T == 0 || H == 0) {
     return {out, lse};
   }
-  const int64_t elem = static_cast<int64_t>(q.element_size());
-  p.q = static_cast<const char*>(q.const_data_ptr());
-  p.q_st = q.stride(0) * elem;
-  p.q_sh = q.stride(1) * elem;
-  p.out = static_cast<char*>(out.data_ptr());
-  p.out_row_bytes = kv_lora_rank * elem;
-  p.lse = lse.data_ptr<float>();
-  p.make_groups();
+  p.set_rows(q, out, lse);
   const CoreDims dims{W, 0, kv_lora_rank, static_cast<float>(scale)};
   mlafx::attn::run_attention(p, mlafx::attn::select_core(q.scalar_type(), dims), dims,
                              q.scalar_type());

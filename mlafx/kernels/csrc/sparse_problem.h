@@ -41,6 +41,19 @@ struct SparseProblem {
     count.assign(static_cast<size_t>(tokens), 0);
   }
 
+  // The queries q [T, H, >= out width] (last dim contiguous), the outputs out [T, H, width]
+  // and LSEs lse [H, T] fp32 the driver writes, and the groups over them.
+  void set_rows(const at::Tensor& q, at::Tensor& out, at::Tensor& lse_out) {
+    const int64_t elem = static_cast<int64_t>(q.element_size());
+    this->q = static_cast<const char*>(q.const_data_ptr());
+    q_st = q.stride(0) * elem;
+    q_sh = q.stride(1) * elem;
+    this->out = static_cast<char*>(out.data_ptr());
+    out_row_bytes = out.size(2) * static_cast<int64_t>(out.element_size());
+    lse = lse_out.data_ptr<float>();
+    make_groups();
+  }
+
   // Groups: head slices of one query (every query has its own keys).
   void make_groups() {
     const int64_t per_group = std::min(num_heads, kMaxRows);

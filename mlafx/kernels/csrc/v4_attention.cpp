@@ -154,17 +154,10 @@ at::Tensor v4_attention(const at::Tensor& q, const at::Tensor& query_start_loc,
   }
   const at::Tensor sinks_c = sinks.contiguous();
   at::Tensor lse = at::empty({H, T}, q.options().dtype(at::kFloat));
-  const int64_t elem = static_cast<int64_t>(q.element_size());
-  p.q = static_cast<const char*>(q.const_data_ptr());
-  p.q_st = q.stride(0) * elem;
-  p.q_sh = q.stride(1) * elem;
-  p.out = static_cast<char*>(out.data_ptr());
-  p.out_row_bytes = c * elem;
-  p.lse = lse.data_ptr<float>();
+  p.set_rows(q, out, lse);
   p.sinks = sinks_c.const_data_ptr<float>();
   p.width = c;
   p.dtype = q.scalar_type();
-  p.make_groups();
   const CoreDims dims{c, 0, c, static_cast<float>(scale)};
   mlafx::attn::run_attention(p, mlafx::attn::select_core(q.scalar_type(), dims), dims,
                              q.scalar_type());
