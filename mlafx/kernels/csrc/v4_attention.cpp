@@ -8,8 +8,9 @@
 //   window_table:    [B, M] int32       window_lens: [B] int32 (tokens cached per sequence)
 //   window_selected: [T, W] int64       each query's window positions (-1 = unused)
 //   sinks:           [H] fp32
-//   pool_cache:      [NB', BS', c]      optional, with pool_table [B, M'] int32, pool_lens [B]
-//   pool_selected:   [T, K] int64       int32 and each query's pool entries (-1 = unused)
+//   pool_cache:      [NB', BS', c]      optional, q's dtype, with pool_table [B, M'] int32,
+//                                       pool_lens [B] int32 and pool_selected [T, K] int64:
+//                                       each query's pool entries (-1 = unused)
 //   -> out [T, H, c] (q's dtype):
 //        out = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink_h}),  s_j = scale * q.k_j,
 //      the keys j being the selected window rows and pool entries (v_j = k_j, the whole row).
@@ -39,7 +40,6 @@
 namespace {
 
 using mlafx::attn::CoreDims;
-using mlafx::attn::kMaxRows;
 using mlafx::attn::SparseProblem;
 using mlafx::op_checks::check_cpu;
 using mlafx::op_checks::check_index;
