@@ -48,14 +48,23 @@ inline void check_offsets(const char* op, const char* name, const int32_t* p, in
                     p[(count - 1) * stride], " must equal ", total_name, " = ", total);
 }
 
+// The names the checks give the paged cache's tensors (v4_attention: its window's and
+// its pool's).
+struct PagedNames {
+  const char* cache = "kv_cache";
+  const char* table = "block_table";
+  const char* lens = "kv_lens";
+};
+
 // A paged cache's index: every kv_lens[b] in 0..M*BS and every block-table entry a sequence
 // uses (the first ceil(kv_lens[b] / BS)) a block of the cache; entries past those are never
 // read, so they may hold anything.
 inline void check_paged_table(const char* op, const at::Tensor& block_table,  // [B, M] int32
                               const at::Tensor& kv_lens,                      // [B] int32
                               int64_t num_blocks, int64_t block_size,
-                              const char* table_name = "block_table",
-                              const char* lens_name = "kv_lens") {
+                              const PagedNames& names = {}) {
+  const char* table_name = names.table;
+  const char* lens_name = names.lens;
   const int64_t B = block_table.size(0), M = block_table.size(1);
   const int32_t* lens = kv_lens.const_data_ptr<int32_t>();
   const int32_t* table = block_table.const_data_ptr<int32_t>();
@@ -77,13 +86,6 @@ inline void check_paged_table(const char* op, const at::Tensor& block_table,  //
 // mla_attention_sparse): q [T, H, Lkv + R] and kv_cache [NB, BS, Lkv + R] of one float dtype,
 // the sequences' block_table / kv_lens / query_start_loc, scale and kv_lora_rank. The op's
 // per-token index tensor (positions, selected) is its own to check.
-// The names the checks give the paged cache's tensors (v4_attention: its window's).
-struct PagedNames {
-  const char* cache = "kv_cache";
-  const char* table = "block_table";
-  const char* lens = "kv_lens";
-};
-
 inline void check_latent_attention(const char* op, const at::Tensor& q,
                                    const at::Tensor& kv_cache, const at::Tensor& block_table,
                                    const at::Tensor& kv_lens, const at::Tensor& query_start_loc,
@@ -119,7 +121,7 @@ inline void check_latent_attention(const char* op, const at::Tensor& q,
   TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
   check_offsets(op, "query_start_loc", query_start_loc.const_data_ptr<int32_t>(),
                 query_start_loc.stride(0), B + 1, T, "num_tokens");
-  check_paged_table(op, block_table, kv_lens, NB, BS, names.table, names.lens);
+  check_paged_table(op, block_table, kv_lens, NB, BS, names);
 }
 
 }  // namespace mlafx::op_checks

@@ -45,23 +45,6 @@ using mlafx::op_checks::check_cpu;
 using mlafx::op_checks::check_index;
 using mlafx::op_checks::check_latent_attention;
 
-template <typename Out>
-void finish_as(const SparseProblem& p, const float* sinks, int64_t gi, float* const* rows,
-               float* const* lse, int64_t dv) {
-  const mlafx::attn::SparseGroup& g = p.groups[gi];
-  for (int64_t r = 0; r < g.nh; ++r) {
-    // sigmoid(lse - sink): 0 for a query without keys (lse = -inf)
-    const float keep = 1.f / (1.f + std::exp(sinks[g.h0 + r] - *lse[r]));
-    float* row = rows[r];
-    for (int64_t i = 0; i < dv; ++i) {
-      row[i] *= keep;
-    }
-    mlafx::round_row(row, reinterpret_cast<Out*>(p.out + (g.t * p.num_heads + g.h0 + r) *
-                                                             p.out_row_bytes),
-                     dv);
-  }
-}
-
 struct V4Problem : SparseProblem {
   const float* sinks = nullptr;  // [H]
   int64_t width = 0;
@@ -70,19 +53,35 @@ struct V4Problem : SparseProblem {
   void finish(int64_t gi, float* const* rows, float* const* lse) const {
     switch (dtype) {
       case at::kBFloat16:
-        return finish_as<c10::BFloat16>(*this, sinks, gi, rows, lse, width);
+        return finish_as<c10::BFloat16>(gi, rows, lse);
       case at::kHalf:
-        return finish_as<c10::Half>(*this, sinks, gi, rows, lse, width);
+        return finish_as<c10::Half>(gi, rows, lse);
       default:
-        return finish_as<float>(*this, sinks, gi, rows, lse, width);
+        return finish_as<float>(gi, rows, lse);
+    }
+  }
+
+  template <typename Out>
+  void finish_as(int64_t gi, float* const* rows, float* const* lse) const {
+    const mlafx::attn::SparseGroup& g = groups[gi];
+    for (int64_t r = 0; r < g.nh; ++r) {
+      // sigmoid(lse - sink): 0 for a query without keys (lse = -inf)
+      const float keep = 1.f / (1.f + std::exp(sinks[g.h0 + r] - *lse[r]));
+      float* row = rows[r];
+      for (int64_t i = 0; i < width; ++i) {
+        row[i] *= keep;
+      }
+      mlafx::round_row(
+          row, reinterpret_cast<Out*>(out + (g.t * num_heads + g.h0 + r) * out_row_bytes), width);
     }
   }
 };
 
-// The pool's tensors: all four or none, and the cache like the window's (dtype, width).
+// The pool's tensors: all four or none; the cache is checked as the window's is.
 void check_pool(const char* op, const at::Tensor& q, const at::Tensor& query_start_loc,
-                const std::optional<at::Tensor>& cache, const std::optional<at::Tensor>& table,
-                const std::optional<at::Tensor>& lens, const std::optional<at::Tensor>& selected) {
+                double scale, const std::optional<at::Tensor>& cache,
+                const std::optional<at::Tensor>& table, const std::optional<at::Tensor>& lens,
+                const std::optional<at::Tensor>& selected) {
   const int given = cache.has_value() + table.has_value() + lens.has_value() +
                     selected.has_value();
   TORCH_CHECK_VALUE(given == 0 || given == 4, op, ": pool_cache, pool_table, pool_lens and "
@@ -91,25 +90,11 @@ void check_pool(const char* op, const at::Tensor& q, const at::Tensor& query_sta
     return;
   }
   check_cpu(op, {&*cache, &*table, &*lens, &*selected});
-  TORCH_CHECK_TYPE(cache->scalar_type() == q.scalar_type(), op, ": pool_cache must have q's "
-                   "dtype ", q.scalar_type(), ", got ", cache->scalar_type());
-  TORCH_CHECK_VALUE(cache->dim() == 3 && cache->size(2) == q.size(2), op, ": pool_cache must "
-                    "be [num_blocks, block_size, ", q.size(2), "] (q's width), got shape ",
-                    cache->sizes());
-  TORCH_CHECK_VALUE(cache->is_contiguous(), op, ": pool_cache must be contiguous, got strides ",
-                    cache->strides());
-  TORCH_CHECK_VALUE(cache->size(1) >= 1, op, ": pool_cache's block_size must be at least 1");
-  check_index(op, "pool_table", *table, at::kInt, 2);
-  check_index(op, "pool_lens", *lens, at::kInt, 1);
   check_index(op, "pool_selected", *selected, at::kLong, 2);
-  const int64_t B = query_start_loc.size(0) - 1;
-  TORCH_CHECK_VALUE(table->size(0) == B && lens->size(0) == B, op, ": pool_table and "
-                    "pool_lens must have a row per sequence (", B, "), got ", table->size(0),
-                    " and ", lens->size(0));
+  check_latent_attention(op, q, *cache, *table, *lens, query_start_loc, scale, q.size(2),
+                         {"pool_cache", "pool_table", "pool_lens"});
   TORCH_CHECK_VALUE(selected->size(0) == q.size(0), op, ": pool_selected has ",
                     selected->size(0), " rows but q has ", q.size(0), " tokens");
-  mlafx::op_checks::check_paged_table(op, *table, *lens, cache->size(0), cache->size(1),
-                                      "pool_table", "pool_lens");
 }
 
 at::Tensor v4_attention(const at::Tensor& q, const at::Tensor& query_start_loc,
@@ -135,7 +120,7 @@ at::Tensor v4_attention(const at::Tensor& q, const at::Tensor& query_start_loc,
                    sinks.scalar_type());
   TORCH_CHECK_VALUE(sinks.dim() == 1 && sinks.size(0) == H, op, ": sinks must be [", H,
                     "] (one per head), got shape ", sinks.sizes());
-  check_pool(op, q, query_start_loc, pool_cache, pool_table, pool_lens, pool_selected);
+  check_pool(op, q, query_start_loc, scale, pool_cache, pool_table, pool_lens, pool_selected);
   const bool has_pool = pool_cache.has_value();
 
   V4Problem p;
