@@ -62,6 +62,15 @@ def matmul_gflops(
     return 2 * size**3 / seconds / 1e9
 
 
+def read_gbps(megabytes: int = 512, *, repeats: int = 5, warmup: int = 1) -> float:
+    """The read bandwidth right now (a median of a few sums of a ``megabytes`` fp32 tensor,
+    ~0.2 s at 512 MB): to judge a decode step against the memory of the same moment. 512 MB
+    is past the last-level cache (this Xeon VM reports 480 MB; sums of 16-64 MB read at
+    about twice the rate of 256 MB-4 GB ones)."""
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    return x.numel() * 4 / median_seconds(lambda: x.sum(), repeats=repeats, warmup=warmup) / 1e9
+
+
 _MATMUL_DTYPES = (torch.bfloat16, torch.float32)
 
 

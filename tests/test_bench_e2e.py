@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench.e2e import costs
+from bench.e2e.measure import outside_peak_rss, peak_rss_bytes, reset_peak_rss
 from bench.e2e.models import MODELS
 from mlafx.config import ModelConfig
 from mlafx.config.presets import DEEPSEEK_V2_LITE
@@ -37,7 +38,9 @@ def test_quick_benchmark_writes_every_figure(tmp_path):
         "hf_eager",
     }
     assert all(r["median_ms"] > 0 and r["tokens_per_s"] > 0 for r in rows)
-    assert all(r["x_floor"] > 0 for r in rows if r["phase"] == "decode")
+    decode = [r for r in rows if r["phase"] == "decode"]
+    assert all(r["x_floor"] > 0 and r["run_x_floor"] > 0 for r in decode)
+    assert all(r["read_gbps_around"] > 0 for r in decode)  # each judged at its own moment
     assert all(0 < r["matmul_fraction"] for r in rows if r["phase"] == "prefill")
     kv = result["kv_bytes_per_token"]
     assert kv["mlafx"] == kv["transformers"]  # both cache the latent, not K and V
@@ -51,6 +54,23 @@ def test_quick_benchmark_writes_every_figure(tmp_path):
     assert "batch-invariant mode, time vs the default: prefill 8x128" in done.stdout
     for png in ("e2e_decode_vs_context.png", "e2e_batch_and_prefill.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's peak counter")
+def test_a_probe_buffer_stays_out_of_the_peak_rss():
+    """What an ``outside_peak_rss`` block holds is not counted; the peak before it and after
+    it are."""
+    reset_peak_rss()
+    base = peak_rss_bytes()
+    with outside_peak_rss():
+        probe = torch.ones(256 * 2**20 // 4)
+        del probe
+    assert peak_rss_bytes() < base + 64 * 2**20
+    kept = torch.ones(128 * 2**20 // 4)
+    with outside_peak_rss():
+        pass
+    del kept
+    assert peak_rss_bytes() >= base + 120 * 2**20
 
 
 def _config(name: str) -> ModelConfig:

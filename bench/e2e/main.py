@@ -24,6 +24,7 @@ import platform
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,13 @@ from bench import roofline as roofline_mod  # noqa: E402
 from bench.e2e import costs, report  # noqa: E402
 from bench.e2e.backends import MlafxStep, TransformersModel, blocks_needed  # noqa: E402
 from bench.e2e.fp8_checkpoint import write_in_subprocess  # noqa: E402
-from bench.e2e.measure import peak_rss_bytes, reset_peak_rss, time_calls  # noqa: E402
+from bench.e2e.measure import (  # noqa: E402
+    Timing,
+    outside_peak_rss,
+    peak_rss_bytes,
+    reset_peak_rss,
+    time_calls,
+)
 from bench.e2e.models import MODELS, mlafx_llm, transformers_twin  # noqa: E402
 from bench.e2e.plan import DEFAULT, QUANTIZED, QUICK, Plan  # noqa: E402
 from bench.e2e.serving import prefix_hit_ttft, run_mixed_workload  # noqa: E402
@@ -63,6 +70,33 @@ def kv_blocks_for(plan: Plan, backend: str) -> int:
     return max(steps, plan.workload.blocks_needed(BLOCK_SIZE)) + 64
 
 
+def bracketed(
+    run: Callable[[], object], repeats: int, phase: str, plan: Plan
+) -> tuple[Timing, dict[str, float]]:
+    """``time_calls(run)`` between two probes of the rate that judges it: the read bandwidth
+    for decode (its floor), the bf16 matmul rate for prefill (not on a quantized plan, which
+    judges decode alone). Returns the timing and ``{"read_gbps_around" |
+    "matmul_gflops_around": the probes' mean}``; the probes' buffers stay out of the peak RSS."""
+    probe: Callable[[], float]
+    if phase == "decode":
+        megabytes = 64 if plan is QUICK else 512  # --quick: the quick roofline's size
+        probe, key = (lambda: roofline_mod.read_gbps(megabytes)), "read_gbps_around"
+    elif plan is not QUANTIZED:
+        # --quick: the quick roofline's size (a 2048^3 bf16 product takes ~10 s on a CPU
+        # without native bf16, and every prefill row is bracketed twice)
+        size = 512 if plan is QUICK else 2048
+        probe = lambda: roofline_mod.matmul_gflops(torch.bfloat16, size=size)  # noqa: E731
+        key = "matmul_gflops_around"
+    else:
+        return time_calls(run, repeats=repeats), {}
+    with outside_peak_rss():
+        before = probe()
+    timing = time_calls(run, repeats=repeats)
+    with outside_peak_rss():
+        after = probe()
+    return timing, {key: (before + after) / 2}
+
+
 def measure_grid(
     backend: str, engine: MlafxStep | TransformersModel, plan: Plan
 ) -> list[report.Row]:
@@ -78,16 +112,11 @@ def measure_grid(
             progress(f"{what} ...")
             try:
                 run = getattr(engine, phase)(batch, length)
-                # the matmul rate moves over seconds: prefill timings are bracketed by it
-                bracket = phase == "prefill" and plan is not QUANTIZED
-                # --quick: the quick roofline's size (a 2048^3 bf16 product takes ~10 s on a
-                # CPU without native bf16, and every prefill row is bracketed twice)
-                size = 512 if plan is QUICK else 2048
-                before = roofline_mod.matmul_gflops(torch.bfloat16, size=size) if bracket else 0
-                timing = time_calls(run, repeats=repeats)
-                if bracket:
-                    after = roofline_mod.matmul_gflops(torch.bfloat16, size=size)
-                    row["matmul_gflops_around"] = (before + after) / 2
+                # the matmul rate and the read bandwidth move over seconds (this Xeon VM: 19
+                # and 27 GB/s minutes apart): a prefill timing is bracketed by the first, a
+                # decode timing by the second
+                timing, around = bracketed(run, repeats, phase, plan)
+                row.update(around)
             except Exception as e:  # noqa: BLE001 -- reported, not fatal
                 row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
                 progress(f"{what}: failed ({row['error'][:200]})")
@@ -105,17 +134,23 @@ def measure_grid(
 def add_roofline_figures(
     rows: list[report.Row], cfg: ModelConfig, roof: roofline_mod.Roofline, weights: torch.nn.Module
 ) -> None:
-    """``floor_ms``/``x_floor`` on decode rows, ``gflops``/``matmul_fraction`` on prefill: the
-    fraction of the bf16 matmul rate measured just before and after that row's timing (the
-    rate here moves between ~0.7 and ~2 TFLOP/s over seconds), ``run_matmul_fraction`` that
-    of the run's roofline."""
+    """``floor_ms``/``x_floor`` on decode rows (the floor at the read bandwidth measured just
+    before and after that row's timing; ``run_x_floor`` at the run's roofline), and
+    ``gflops``/``matmul_fraction`` on prefill: the fraction of the bf16 matmul rate measured
+    just before and after that row's timing (the rate here moves between ~0.7 and ~2 TFLOP/s
+    over seconds), ``run_matmul_fraction`` that of the run's roofline."""
     for row in rows:
         if "error" in row:
             continue
         seconds = row["median_ms"] / 1e3
         if row["phase"] == "decode":
-            floor = costs.decode_weight_bytes(weights, cfg, row["batch"]) / (roof.read_gbps * 1e9)
-            row.update(floor_ms=floor * 1e3, x_floor=seconds / floor)
+            nbytes = costs.decode_weight_bytes(weights, cfg, row["batch"])
+            floor = nbytes / (row.get("read_gbps_around", roof.read_gbps) * 1e9)
+            row.update(
+                floor_ms=floor * 1e3,
+                x_floor=seconds / floor,
+                run_x_floor=seconds / (nbytes / (roof.read_gbps * 1e9)),
+            )
         else:
             flops = costs.prefill_flops(cfg, row["batch"], row["length"])
             row.update(gflops=flops / seconds / 1e9)
@@ -285,7 +320,8 @@ def print_summary(
     for b, nbytes in floors.items():
         print(
             f"decode weight-read floor, batch {b}: {nbytes / 1e6:.0f} MB of weights / "
-            f"{roof.read_gbps:.1f} GB/s = {nbytes / (roof.read_gbps * 1e9) * 1e3:.1f} ms"
+            f"{roof.read_gbps:.1f} GB/s = {nbytes / (roof.read_gbps * 1e9) * 1e3:.1f} ms at "
+            "the roofline's bandwidth (each decode row below: at the bandwidth around it)"
         )
     kv = run.kv_bytes_per_token
     print("KV cache per token: " + ", ".join(f"{k} {v:.0f} B" for k, v in kv.items()))

@@ -6,7 +6,8 @@ from __future__ import annotations
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,11 +35,19 @@ def time_calls(run: Callable[[], object], *, repeats: int, warmup: int = 1) -> T
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
+# the peak before the last ``outside_peak_rss`` block (the kernel's counter restarts after it)
+_carried_peak = 0
 
 
 def reset_peak_rss() -> bool:
     """Restart the kernel's peak-RSS counter (Linux); False where that is not possible, and
     the peak is then the process's since it started."""
+    global _carried_peak
+    _carried_peak = 0
+    return _restart_kernel_peak()
+
+
+def _restart_kernel_peak() -> bool:
     try:
         _CLEAR_REFS.write_text("5")
         return True
@@ -47,7 +56,12 @@ def reset_peak_rss() -> bool:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident memory since the last ``reset_peak_rss`` (VmHWM), else since start."""
+    """Peak resident memory since the last ``reset_peak_rss`` (VmHWM), else since start; what
+    ``outside_peak_rss`` blocks held is not counted where the counter can be restarted."""
+    return max(_carried_peak, _kernel_peak_bytes())
+
+
+def _kernel_peak_bytes() -> int:
     try:
         for line in _STATUS.read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -55,3 +69,16 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+@contextmanager
+def outside_peak_rss() -> Iterator[None]:
+    """Memory held only inside the block (a bandwidth probe's 512 MB buffer, freed at its end)
+    is not counted in ``peak_rss_bytes``: the peak so far is kept, and the kernel's counter
+    restarts when the block ends."""
+    global _carried_peak
+    _carried_peak = peak_rss_bytes()
+    try:
+        yield
+    finally:
+        _restart_kernel_peak()

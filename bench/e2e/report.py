@@ -42,9 +42,14 @@ def print_phase(rows: list[Row], phase: str) -> None:
         f"{'backend':<27} {'batch':>5} {length:>7} {'ms':>10} {'tokens/s':>10} "
         f"{extra:>9} {'vs eager':>9}"
     )
+    if phase == "decode":
+        header += f" {'read GB/s':>10}"
     print(f"\n{phase}")
     if phase == "prefill":
         print("(of matmul: of the bf16 matmul rate measured just before and after each row)")
+    else:
+        print("(x floor: the step's weight bytes at the read bandwidth measured just before and")
+        print(" after each row, in the last column; the JSON's run_x_floor uses the roofline's)")
     print(header)
     print("-" * len(header))
     for row in (r for r in rows if r["phase"] == phase):
@@ -57,7 +62,8 @@ def print_phase(rows: list[Row], phase: str) -> None:
         )
         eager = find(rows, "hf_eager", phase, row["batch"], row["length"])
         vs = f"{eager['median_ms'] / row['median_ms']:>8.1f}x" if eager else f"{'':>9}"
-        print(f"{where} {row['median_ms']:>10.1f} {row['tokens_per_s']:>10.1f} {roof} {vs}")
+        read = f" {row['read_gbps_around']:>10.1f}" if "read_gbps_around" in row else ""
+        print(f"{where} {row['median_ms']:>10.1f} {row['tokens_per_s']:>10.1f} {roof} {vs}{read}")
 
 
 def print_invariant_cost(rows: list[Row]) -> None:
