@@ -9,8 +9,9 @@ step, mlafx's reference path (``compile=False``), transformers' eager model, and
 if it fails the error is reported). Prefill and decode are timed as forward steps (medians
 over repeats), serving (TTFT/TPOT under a mixed workload, prefix-cache hits) through mlafx's
 engine. Figures are read against this run's roofline (``bench/roofline.py``): decode as a
-multiple of its weight-read floor, prefill as a fraction of the bf16 matmul rate with
-canonical FLOPs (``bench/e2e/costs.py``). Prints tables and the issue's targets, writes JSON
+multiple of its weight-read floor at the read bandwidth measured just before and after its
+timing, prefill as a fraction of the bf16 matmul rate measured the same way, with canonical
+FLOPs (``bench/e2e/costs.py``). Prints tables and the issue's targets, writes JSON
 (default bench/results/e2e.json) and PNG plots (bench/results/).
 """
 
