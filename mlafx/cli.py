@@ -25,6 +25,7 @@ import torch
 from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES, ServedConfig
 from mlafx.parallel import TensorParallelError
 from mlafx.runtime import LLM, RequestOutput, SamplingParams
+from mlafx.runtime.engine import check_model, check_prompt_token_ids
 from mlafx.runtime.kv_connector.base import KVConnectorError
 from mlafx.runtime.sampling_params import RequestMetrics
 
@@ -159,33 +160,48 @@ def serving_options(args: argparse.Namespace) -> dict[str, Any]:
 def build_llm(args: argparse.Namespace, **serving: Any) -> LLM:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    tensor_parallel_size = getattr(args, "tensor_parallel_size", 1)
     if getattr(args, "artifact", None) is not None:
-        if tensor_parallel_size != 1:
+        if getattr(args, "tensor_parallel_size", 1) != 1:
             raise ValueError("--tensor-parallel-size cannot be combined with --artifact")
         return llm_from_artifact(args, **serving)
+    model, options = llm_arguments(args)
+    return LLM(model, **options, **serving)
+
+
+def llm_arguments(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The model and the model and serving options (not the ``serving_options`` flags) that
+    ``build_llm`` builds ``LLM`` from: the embedded default when no --model is given."""
     model, overrides = args.model, args.hf_overrides
     load_format = args.load_format
     if model is None:
         model = EMBEDDED_DEFAULT_MODEL
         overrides = {**EMBEDDED_DEFAULT_OVERRIDES, **(overrides or {})}
         load_format = load_format or "dummy"
-    return LLM(
-        model,
-        load_format=load_format or "auto",
-        hf_overrides=overrides,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks,
-        seed=args.seed,
-        progress=sys.stderr.isatty(),
-        compile=args.compile,
-        tensor_parallel_size=tensor_parallel_size,
-        tensor_parallel_local_ranks=getattr(args, "tensor_parallel_local_ranks", None),
-        **serving,
-    )
+    return model, {
+        "load_format": load_format or "auto",
+        "hf_overrides": overrides,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "num_kv_blocks": args.num_kv_blocks,
+        "seed": args.seed,
+        "progress": sys.stderr.isatty(),
+        "compile": args.compile,
+        "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+        "tensor_parallel_local_ranks": getattr(args, "tensor_parallel_local_ranks", None),
+    }
+
+
+def check_prompts_before_building(args: argparse.Namespace) -> None:
+    """``--prompt-token-ids`` against the model's config before the build and compile (minutes
+    for a real model): an id outside the vocabulary, or a bad option, fails at once."""
+    if args.prompt_token_ids is None or getattr(args, "artifact", None) is not None:
+        return
+    model, options = llm_arguments(args)
+    config = check_model(model, **options)
+    for index, prompt in enumerate(args.prompt_token_ids):
+        check_prompt_token_ids(prompt, config, index)
 
 
 def add_artifact_flags(parser: argparse.ArgumentParser) -> None:
@@ -334,6 +350,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         store_demo = demo and args.tensor_parallel_size == 1
         if store_demo and serving["kv_connector"] is None:
             serving["kv_connector"] = f"disk:{store}"
+        check_prompts_before_building(args)
         start = time.perf_counter()
         llm = build_llm(args, **serving)
         load_seconds = time.perf_counter() - start

@@ -46,6 +46,7 @@ from mlafx.runtime.sampling_params import (
 )
 from mlafx.runtime.scheduler import blocks_for_lifetime
 from mlafx.runtime.step_source import (
+    ModelOptions,
     StepSource,
     artifact_source,
     check_batch_invariant,
@@ -58,6 +59,35 @@ from mlafx.runtime.step_source import (
 log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
+
+
+def check_model(model: str | Path, **kwargs: Any) -> ServedConfig:
+    """Every check ``LLM(model, **kwargs)`` makes before it reads a weight (the config, the
+    options, the memory estimate); the model's config, to check requests against before a
+    build and compile that can take minutes (``mlafx run``'s prompts)."""
+    build, options = split_options(kwargs)
+    return _check_options(model, build, options)
+
+
+def _check_options(model: str | Path, build: ModelOptions, options: ServingOptions) -> ServedConfig:
+    if is_deepseek_v4(model):
+        return check_deepseek_v4_options(model, build, options)
+    return check_model_options(model, build, options)
+
+
+def check_prompt_token_ids(prompt: Sequence[int], config: ServedConfig, index: int) -> list[int]:
+    """Prompt ``index``'s token ids as ints: a ValueError if it is empty or an id is outside
+    the model's vocabulary."""
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError(f"prompt {index} is empty")
+    vocab = config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(
+            f"prompt {index} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}"
+        )
+    return ids
 
 
 class LLM:
@@ -127,11 +157,7 @@ class LLM:
             if options is not None:
                 raise TypeError("LLM(model, ...) takes the serving options as keywords")
             build, options = split_options(kwargs)
-            cfg = (
-                check_deepseek_v4_options(model, build, options)
-                if is_deepseek_v4(model)
-                else check_model_options(model, build, options)
-            )
+            cfg = _check_options(model, build, options)
             if build.tensor_parallel_size != 1 and kv_connector is not None:
                 raise ValueError(
                     "kv_connector is not supported with tensor_parallel_size > 1 (the latent "
@@ -411,21 +437,16 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params for prompt {index} must be SamplingParams")
         text = None
+        token_ids: Sequence[int]
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
                     f"prompt {index} is text but the model has no tokenizer.json; pass token ids"
                 )
-            text, prompt = prompt, self.tokenizer.encode(prompt).ids
-        ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        vocab = self.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"prompt {index} has token id(s) outside the vocabulary [0, {vocab}): {bad[:5]}"
-            )
+            text, token_ids = prompt, self.tokenizer.encode(prompt).ids
+        else:
+            token_ids = prompt
+        ids = check_prompt_token_ids(token_ids, self.config, index)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt {index} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves "
