@@ -169,8 +169,8 @@ def build_llm(args: argparse.Namespace, **serving: Any) -> LLM:
 
 
 def llm_arguments(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    """The model and the model and serving options (not the ``serving_options`` flags) that
-    ``build_llm`` builds ``LLM`` from: the embedded default when no --model is given."""
+    """The model, and the keyword arguments besides the ``serving_options`` flags, that
+    ``build_llm`` builds ``LLM`` from (the embedded default when no --model is given)."""
     model, overrides = args.model, args.hf_overrides
     load_format = args.load_format
     if model is None:
