@@ -68,7 +68,14 @@ def read_gbps(megabytes: int = 512, *, repeats: int = 5, warmup: int = 1) -> flo
     is past the last-level cache (this Xeon VM reports 480 MB; sums of 16-64 MB read at
     about twice the rate of 256 MB-4 GB ones)."""
     x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
-    return x.numel() * 4 / median_seconds(lambda: x.sum(), repeats=repeats, warmup=warmup) / 1e9
+    return summed_gbps(x, repeats=repeats, warmup=warmup)
+
+
+def summed_gbps(x: torch.Tensor, *, repeats: int = 7, warmup: int = 2) -> float:
+    """GB/s of ``x.sum()`` (each byte read once, nothing written back), a median of repeats."""
+    return (
+        x.numel() * x.element_size() / median_seconds(x.sum, repeats=repeats, warmup=warmup) / 1e9
+    )
 
 
 _MATMUL_DTYPES = (torch.bfloat16, torch.float32)
@@ -95,7 +102,7 @@ def measure(*, megabytes: int = 512, matmul_size: int = 2048, quick: bool = Fals
     def one_round() -> None:
         bf16, fp32 = sizes[torch.bfloat16], sizes[torch.float32]
         rounds["bf16"].append(matmul_gflops(torch.bfloat16, size=bf16, repeats=5, warmup=2))
-        rounds["read"].append(x.numel() * 4 / median_seconds(lambda: x.sum()) / 1e9)
+        rounds["read"].append(summed_gbps(x))
         rounds["fp32"].append(matmul_gflops(torch.float32, size=fp32, repeats=5, warmup=2))
         rounds["copy"].append(2 * x.numel() * 4 / median_seconds(lambda: y.copy_(x)) / 1e9)
 
