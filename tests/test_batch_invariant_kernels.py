@@ -2,9 +2,9 @@
 output is bitwise the same whatever else is in the call and however its sequence's queries are
 chunked. Attention: a sequence alone, inside a batch of others, as the last row of a prefill
 chunk and of a whole prefill, over contexts below and across the fixed split size; experts: a
-token alone and among hundreds (its experts past the streaming size); linears (bf16/fp32 and
-int8/int4) and the absorbed per-head products: a row alone and among more rows than any size
-threshold. Each ISA path in a child process."""
+token alone and among hundreds (its experts past the streaming size); linears (bf16/fp32,
+int8/int4 and block FP8) and the absorbed per-head products: a row alone and among more rows
+than any size threshold. Each ISA path in a child process."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ from mlafx.kernels import (
     pack_linear_weight,
     set_batch_invariant,
 )
+from mlafx.kernels.fp8_format import quantize_fp8, scale_shape
+from mlafx.kernels.fp8_ops import linear_fp8, moe_experts_fp8
 from mlafx.kernels.quant_ops import (
     linear_quantized,
     moe_experts_quantized,
@@ -164,6 +166,48 @@ def test_quantized_row_is_the_same_in_any_call(invariant, dtype, bits):
         assert torch.equal(mixed[t : t + 1], moe_experts_quantized(*one, w13, w2, inter)), t
 
 
+def _fp8_stack(count: int, rows: int, cols: int, block: tuple[int, int], gen) -> tuple:
+    """``count`` weights [rows, cols] as stacked e4m3 bytes and block scales."""
+    pairs = [
+        quantize_fp8(torch.randn(rows, cols, generator=gen) / cols**0.5, block)
+        for _ in range(count)
+    ]
+    return torch.stack([w for w, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)])
+def test_block_fp8_row_is_the_same_in_any_call(invariant, dtype, block):
+    """Block FP8 (DeepSeek's checkpoints): linear_fp8 gives a row the same bits alone and among
+    more rows than the tile (4), row-tile (8) and GEMM (64) thresholds: AMX tiles from one row,
+    else the one-row tiles 8 rows at a time ([16, 32] blocks: the widening kernels); the experts
+    add a token's terms in expert order."""
+    gen = torch.Generator().manual_seed(block[1])
+    M, K, N = 300, 1024, 256  # every row alone: bf16 outputs hide most reorderings of the sums
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w, s = quantize_fp8(torch.randn(N, K, generator=gen) / K**0.5, block)
+    batch = linear_fp8(x, w, s, block)
+    alone = torch.cat([linear_fp8(x[m : m + 1], w, s, block) for m in range(M)])
+    assert torch.equal(batch, alone)
+    for rows in [3, 9, 33, 64]:
+        assert torch.equal(batch[:rows], linear_fp8(x[:rows], w, s, block)), rows
+    D, inter, E = 256, 192, 4
+    x = torch.randn(M, D, generator=gen).to(dtype)
+    gate, gate_s = _fp8_stack(E, inter, D, block, gen)
+    up, up_s = _fp8_stack(E, inter, D, block, gen)
+    w13, s13 = torch.cat([gate, up], 1), torch.cat([gate_s, up_s], 1)
+    w2, s2 = _fp8_stack(E, D, inter, block, gen)
+    assert s13.shape[1] == 2 * scale_shape(inter, D, block)[0]
+    ids = torch.tensor([0, 2, 0]).repeat(M, 1)  # experts 1 and 3 rare: streamed between the
+    ids[::2, 2] = 2  # popular 0 and 2, which run on all threads one after the other
+    ids[::40, 2], ids[5::40, 0] = 3, 1
+    weights = torch.rand(M, 3, generator=gen)
+    mixed = moe_experts_fp8(x, ids, weights, w13, s13, w2, s2, block)
+    for t in [0, 5, 40, 45, 299]:
+        one = (x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
+        assert torch.equal(mixed[t : t + 1], moe_experts_fp8(*one, w13, s13, w2, s2, block)), t
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_row_is_the_same_in_any_call(invariant, dtype, with_bias):
@@ -224,7 +268,10 @@ def test_batched_matmul_opcheck(mode):
 PATHS = {
     "portable": {"MLAFX_DISABLE_AVX512": "1"},
     "avx512": {"MLAFX_DISABLE_AMX": "1"},  # the default path where there are no tiles
+    # block FP8 without VBMI's byte tables (the only kernels that use them)
+    "avx512_bf16": {"MLAFX_DISABLE_AMX": "1", "MLAFX_DISABLE_VBMI": "1"},
 }
+ONLY = {"avx512_bf16": "block_fp8"}
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -233,10 +280,13 @@ def test_other_paths_are_invariant(path):
         pytest.skip("inside the child run")
     if path == "avx512" and cpu_isa() != "avx512_amx":
         pytest.skip("no tile unit here: the default path is the AVX-512 one")
+    if path == "avx512_bf16" and not cpu_isa().startswith("avx512"):
+        pytest.skip("no AVX-512 BF16 here")
     env = {**os.environ, "MLAFX_DISABLE_AVX512": "0", "MLAFX_DISABLE_AMX": "0", **PATHS[path]}
     env["MLAFX_INVARIANT_CHILD"] = "1"
+    only = ["-k", ONLY[path]] if path in ONLY else []
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *only, __file__],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

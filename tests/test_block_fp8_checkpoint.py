@@ -215,10 +215,3 @@ def test_onnx_export_of_an_fp8_checkpoint_is_refused(tmp_path):
     with pytest.raises(ValueError, match="ONNX export of a block-FP8 checkpoint"):
         mlafx.export(tmp_path / "ckpt", tmp_path / "onnx", "onnx", dtype="float32",
                      progress=False)  # fmt: skip
-
-
-def test_batch_invariant_mode_is_refused_by_name(tmp_path):
-    write_fp8_checkpoint("v3_blocks_16x32", tmp_path)
-    with pytest.raises(ValueError, match="batch_invariant is not supported with block-FP8"):
-        mlafx.LLM(str(tmp_path), dtype="float32", compile=True, batch_invariant=True,
-                  progress=False)  # fmt: skip

@@ -237,6 +237,13 @@ def test_memory_estimate_is_the_loaded_bytes(tmp_path, qtype):
     assert abs(estimate - loaded) <= 0.02 * loaded, (estimate, loaded)
 
 
+def test_batch_invariant_mode_is_refused_by_name(tmp_path):
+    path = tmp_path / "model.gguf"
+    write_gguf(path, _tiny_v3(), types=f32_only)
+    with pytest.raises(ValueError, match="batch_invariant is not supported with GGUF"):
+        mlafx.LLM(str(path), dtype="float32", compile=True, batch_invariant=True, progress=False)
+
+
 def test_errors_name_the_tensor_or_key(tmp_path):
     import gguf
 

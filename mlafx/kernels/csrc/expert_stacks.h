@@ -5,7 +5,8 @@
 // As moe_experts_quantized (quant_moe.cpp): pairs grouped by expert, each picked expert's
 // weights read once per call; few pairs stream all experts through two parallel passes
 // (threads split gate/up rows, then w2's rows, i.e. own output columns), many pairs run each
-// expert's rows with all threads over its weight rows.
+// expert's rows with all threads over its weight rows; in batch-invariant mode the two kinds of
+// group interleave so that a token's terms add up in expert order (run).
 //
 // A `Stacks` type describes one format's stacks:
 //   int64_t num_pairs_per_token, hidden, inter;  // k, D, I
@@ -28,9 +29,11 @@
 #include <ATen/ops/zeros.h>
 
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <vector>
 
+#include "batch_invariant.h"
 #include "fp8_aten.h"
 #include "gemm_aten.h"
 #include "moe_activation.h"
@@ -56,7 +59,7 @@ void swiglu_row(float* gate, float* up, scalar_t* h, int64_t n, float limit) {
 template <typename Stacks>
 std::vector<Fp8Rows> group_rows(const Stacks& pb, const Fp8Activations& a,
                                 const std::vector<int64_t>& row_of_group,
-                                const std::vector<ExpertGroup>& groups,
+                                std::span<const ExpertGroup> groups,
                                 std::vector<at::Tensor>& keep) {
   std::vector<Fp8Rows> rows;
   std::vector<std::pair<int64_t, uint16_t*>> to_stage;  // (group, its tiles)
@@ -78,12 +81,13 @@ std::vector<Fp8Rows> group_rows(const Stacks& pb, const Fp8Activations& a,
   return rows;
 }
 
+// The streaming groups `groups` (routing.streaming or a run of it).
 template <typename scalar_t, typename Stacks>
-void run_streaming(const Stacks& pb, const Routing& routing, const Fp8Activations& xa,
-                   const at::Tensor& x) {
+void run_streaming(const Stacks& pb, const Routing& routing, std::span<const ExpertGroup> groups,
+                   const Fp8Activations& xa, const at::Tensor& x) {
   const int64_t D = pb.hidden, I = pb.inter;
   std::vector<int64_t> tokens, row_of_group;
-  for (const ExpertGroup& group : routing.streaming) {
+  for (const ExpertGroup& group : groups) {
     row_of_group.push_back(static_cast<int64_t>(tokens.size()));
     for (int64_t j = group.begin; j < group.end; ++j) {
       tokens.push_back(routing.sorted_pairs[j] / pb.num_pairs_per_token);
@@ -92,10 +96,10 @@ void run_streaming(const Stacks& pb, const Routing& routing, const Fp8Activation
   const int64_t P = static_cast<int64_t>(tokens.size());
   const Fp8Activations xs = gather_rows(xa, tokens);  // [P] rows
   std::vector<at::Tensor> staged;  // the groups' rows for the AMX kernel
-  const std::vector<Fp8Rows> x_rows = group_rows(pb, xs, row_of_group, routing.streaming, staged);
+  const std::vector<Fp8Rows> x_rows = group_rows(pb, xs, row_of_group, groups, staged);
   at::Tensor h = at::empty({P, I}, x.options());  // [P, I]
   scalar_t* h_data = h.data_ptr<scalar_t>();
-  const int64_t num_groups = static_cast<int64_t>(routing.streaming.size());
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
 
   // Pass 1: threads split the gate rows i (and the up rows I + i with them).
   mlafx::parallel_chunks(0, I, pb.row_grain(D), [&](int64_t i0, int64_t i1) {
@@ -103,7 +107,7 @@ void run_streaming(const Stacks& pb, const Routing& routing, const Fp8Activation
     std::vector<float> gate(static_cast<size_t>(kMaxStreamingPairs * ld));
     std::vector<float> up(gate.size());
     for (int64_t g = 0; g < num_groups; ++g) {
-      const ExpertGroup& group = routing.streaming[g];
+      const ExpertGroup& group = groups[g];
       const Fp8Rows& rows = x_rows[g];
       pb.dot(pb.gate(group.expert), rows, group.size(), i0, i1, gate.data(), ld);
       pb.dot(pb.up(group.expert), rows, group.size(), i0, i1, up.data(), ld);
@@ -115,14 +119,14 @@ void run_streaming(const Stacks& pb, const Routing& routing, const Fp8Activation
   });
 
   const Fp8Activations ha = fp8_activations(h);
-  const std::vector<Fp8Rows> h_rows = group_rows(pb, ha, row_of_group, routing.streaming, staged);
+  const std::vector<Fp8Rows> h_rows = group_rows(pb, ha, row_of_group, groups, staged);
 
   // Pass 2: threads split w2's rows d, i.e. own output columns [d0, d1).
   mlafx::parallel_chunks(0, D, pb.row_grain(I), [&](int64_t d0, int64_t d1) {
     const int64_t ld = d1 - d0;
     std::vector<float> y(static_cast<size_t>(kMaxStreamingPairs * ld));
     for (int64_t g = 0; g < num_groups; ++g) {
-      const ExpertGroup& group = routing.streaming[g];
+      const ExpertGroup& group = groups[g];
       pb.dot(pb.down(group.expert), h_rows[g], group.size(), d0, d1, y.data(), ld);
       add_weighted_rows<scalar_t>(pb, routing, group, y.data(), ld, d0, d1);
     }
@@ -159,14 +163,24 @@ void run_gemm_group(const Stacks& pb, const Routing& routing, const ExpertGroup&
   });
 }
 
-// Every group of the routing (the pairs' ids were range-checked, T * k > 0).
+// Every group of the routing (the pairs' ids were range-checked, T * k > 0). Batch-invariant
+// mode: the kernels give a row the same bits at any row count (fp8_aten.h), so only the order a
+// token's terms are added in could depend on the batch: expert order, as moe.cpp.
 template <typename scalar_t, typename Stacks>
 void run(const Stacks& pb, const Routing& routing, const Fp8Activations& xa, const at::Tensor& x) {
+  auto stream = [&](std::span<const ExpertGroup> groups) {
+    run_streaming<scalar_t>(pb, routing, groups, xa, x);
+  };
+  auto gemm = [&](const ExpertGroup& group) { run_gemm_group<scalar_t>(pb, routing, group, xa, x); };
+  if (batch_invariant()) {
+    run_in_expert_order(routing, stream, gemm);
+    return;
+  }
   if (!routing.streaming.empty()) {
-    run_streaming<scalar_t>(pb, routing, xa, x);
+    stream(routing.streaming);
   }
   for (const ExpertGroup& group : routing.gemm) {
-    run_gemm_group<scalar_t>(pb, routing, group, xa, x);
+    gemm(group);
   }
 }
 

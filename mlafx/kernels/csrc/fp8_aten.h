@@ -32,9 +32,11 @@ struct Fp8Activations {
 
 // Whether M bf16 rows of x take the AMX tile kernel (fp8_dot_amx_avx512.cpp) against weights of
 // this block_k: the CPU has AMX-BF16 and VBMI (and MLAFX_DISABLE_* leaves them on), block_k is
-// a multiple of 64 (the decoder's chunks) and M >= kFp8TileMinRows. From 4:
-// at 2-3 rows a dense linear gained ~10% on tiles, but 8 tokens' experts (groups of 1-3
-// rows, each staged apart) lost as much (Xeon, 6 Dec 2026).
+// a multiple of 64 (the decoder's chunks) and M >= kFp8TileMinRows (any M >= 1 in
+// batch-invariant mode: a tile product's sums for one row of x do not depend on the others, so
+// the tiles give a row the same bits at every row count). From 4: at 2-3 rows a dense linear
+// gained ~10% on tiles, but 8 tokens' experts (groups of 1-3 rows, each staged apart) lost as
+// much (Xeon, 6 Dec 2026).
 constexpr int64_t kFp8TileMinRows = 4;
 bool fp8_uses_tiles(int64_t M, int64_t block_k);
 
@@ -63,7 +65,8 @@ Fp8Weight fp8_view(const uint8_t* w, const float* scale, int64_t K, int64_t bloc
                    int64_t block_k);
 
 // Rows of x from which the products dequantize the weight to fp32 and run an fp32 GEMM, unless
-// the rows are staged for the AMX kernel.
+// the rows are staged for the AMX kernel or the mode is batch-invariant (the GEMM's sums follow
+// the batch's shape).
 constexpr int64_t kFp8GemmRows = 64;
 bool fp8_uses_gemm(int64_t M, const Fp8Rows& x);
 

@@ -10,6 +10,7 @@
 
 #include <torch/library.h>
 
+#include "batch_invariant.h"
 #include "cpu_features.h"
 #include "fp8.h"
 
@@ -89,6 +90,17 @@ void fp8_dot(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_
     return;
   }
   if (use_avx512_bf16()) {
+    // Batch-invariant mode: bf16 rows without tiles from VBMI's kernel at any row count, 8 at a
+    // time (its sums for one row do not depend on the tile's other rows; past 8 rows it would
+    // widen a tile of weight rows for tile_bf16, which sums in another order).
+    if (x.bf16 != nullptr && x.tiles == nullptr && M > 8 && w.block_k % 64 == 0 &&
+        use_avx512_vbmi() && batch_invariant()) {
+      for (int64_t m = 0; m < M; m += 8) {
+        const Fp8Rows rows{x.bf16 + m * x.ld, nullptr, x.ld};
+        avx512::fp8_dot_bf16(w, rows, std::min<int64_t>(8, M - m), n0, n1, out + m * ldo, ldo);
+      }
+      return;
+    }
     if (x.bf16 != nullptr) {
       avx512::fp8_dot_bf16(w, x, M, n0, n1, out, ldo);
     } else {

@@ -28,6 +28,7 @@
 #include <optional>
 #include <vector>
 
+#include "batch_invariant.h"
 #include "cpu_features.h"
 #include "fp8_aten.h"
 #include "gemm_aten.h"
@@ -53,7 +54,8 @@ void Fp8Activations::stage_tiles(int64_t block_k) {
 }
 
 bool fp8_uses_tiles(int64_t M, int64_t block_k) {
-  return M >= kFp8TileMinRows && block_k % 64 == 0 && use_amx_bf16() && use_avx512_vbmi();
+  return (M >= kFp8TileMinRows || (M > 0 && batch_invariant())) && block_k % 64 == 0 &&
+         use_amx_bf16() && use_avx512_vbmi();
 }
 
 at::Tensor empty_tiles(int64_t M, int64_t K) {
@@ -240,7 +242,7 @@ void product_f32(const Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float*
 }  // namespace
 
 bool fp8_uses_gemm(int64_t M, const Fp8Rows& x) {
-  return M >= kFp8GemmRows && x.tiles == nullptr;
+  return M >= kFp8GemmRows && x.tiles == nullptr && !batch_invariant();
 }
 
 void fp8_product_f32(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t N, float* out,
