@@ -2,7 +2,10 @@
 batch-invariant mode, over the same engine and KV cache, steps interleaved.
 
     mlafx bench invariant-cost [--rounds 5] [--threads 2] [--model embedded]
-                               [--quantization int8|int4] [--only decode]
+                               [--quantization int8|int4|fp8] [--only decode]
+
+``--quantization fp8`` serves the model's dummy weights written as a DeepSeek block-FP8
+checkpoint (``--checkpoint-dir``, as ``mlafx bench e2e --quantization fp8``).
 
 Each round times every case once in each mode, one right after the other, so that a drift
 of the machine (a VM's memory or a neighbour) hits both alike; the figures are medians over
@@ -28,9 +31,10 @@ if __package__ in (None, ""):  # run as a script (mlafx bench): the checkout on 
 from bench.busy_machine import load_average
 from bench.e2e.backends import MlafxStep, Run, blocks_needed
 from bench.e2e.measure import peak_rss_bytes
-from bench.e2e.models import MODELS, mlafx_llm
+from bench.e2e.models import MODELS, fp8_checkpoint, mlafx_fp8_llm, mlafx_llm
 
 BLOCK_SIZE = 16
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"  # as bench e2e's
 # (name, kind, batch, tokens): prefill tokens = prompt length, decode tokens = cached rows
 CASES = (
     ("prefill 1x1024", "prefill", 1, 1024),
@@ -46,7 +50,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians)")
     parser.add_argument("--threads", type=int, default=None, help="default: all cores")
     parser.add_argument("--model", choices=sorted(MODELS), default="embedded")
-    parser.add_argument("--quantization", choices=["int8", "int4"], default=None)
+    parser.add_argument("--quantization", choices=["int8", "int4", "fp8"], default=None)
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="where --quantization fp8 writes (and reuses) its checkpoint; default "
+        "bench/results/fp8-<model>",
+    )
     parser.add_argument("--only", default="", help="only the cases whose name contains this")
     return parser.parse_args(argv)
 
@@ -64,9 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no case matches --only {args.only!r}")
     blocks = max(blocks_needed(b, n + 1, BLOCK_SIZE) for _, _, b, n in cases)
     print(f"load average at start: {load_average()}", flush=True)
-    llm = mlafx_llm(
-        args.model, num_kv_blocks=blocks, block_size=BLOCK_SIZE, quantization=args.quantization
-    )
+    if args.quantization == "fp8":
+        directory = args.checkpoint_dir or RESULTS / f"fp8-{args.model}"
+        fp8_checkpoint(args.model, directory)
+        llm = mlafx_fp8_llm(directory, num_kv_blocks=blocks, block_size=BLOCK_SIZE)
+    else:
+        llm = mlafx_llm(
+            args.model, num_kv_blocks=blocks, block_size=BLOCK_SIZE, quantization=args.quantization
+        )
     default = MlafxStep("default", llm.step_fn, llm.kv_caches, llm.config, BLOCK_SIZE)
     default.fill_caches()
     invariant = dataclasses.replace(default, name="invariant", batch_invariant=True)

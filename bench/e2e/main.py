@@ -39,7 +39,6 @@ if str(ROOT) not in sys.path:
 from bench import roofline as roofline_mod  # noqa: E402
 from bench.e2e import costs, report  # noqa: E402
 from bench.e2e.backends import MlafxStep, TransformersModel, blocks_needed  # noqa: E402
-from bench.e2e.fp8_checkpoint import write_in_subprocess  # noqa: E402
 from bench.e2e.measure import (  # noqa: E402
     Timing,
     outside_peak_rss,
@@ -47,10 +46,16 @@ from bench.e2e.measure import (  # noqa: E402
     reset_peak_rss,
     time_calls,
 )
-from bench.e2e.models import MODELS, mlafx_llm, transformers_twin  # noqa: E402
+from bench.e2e.models import (  # noqa: E402
+    MODELS,
+    fp8_checkpoint,
+    mlafx_fp8_llm,
+    mlafx_llm,
+    transformers_twin,
+)
 from bench.e2e.plan import DEFAULT, QUANTIZED, QUICK, Plan  # noqa: E402
 from bench.e2e.serving import prefix_hit_ttft, run_mixed_workload  # noqa: E402
-from mlafx.config import EMBEDDED_DEFAULT_MODEL, ModelConfig  # noqa: E402
+from mlafx.config import ModelConfig  # noqa: E402
 from mlafx.models.deepseek import MLAForCausalLM  # noqa: E402
 from mlafx.models.loader import build_model  # noqa: E402
 from mlafx.runtime import LLM  # noqa: E402
@@ -257,13 +262,12 @@ def run_quantized(run: Run, quantization: str, checkpoint_dir: Path | None) -> M
     if quantization == "fp8":
         directory = checkpoint_dir or RESULTS / f"fp8-{plan.model}"
         progress(f"writing (or reusing) the {plan.model} model as an FP8 checkpoint in {directory}")
-        write_in_subprocess(EMBEDDED_DEFAULT_MODEL, MODELS[plan.model], directory)
+        fp8_checkpoint(plan.model, directory)
         run.checkpoint_bytes = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
         progress(f"building mlafx's engine on {directory} (its FP8 bytes)")
         reset_peak_rss()
         start = time.perf_counter()
-        llm = LLM(str(directory), dtype="bfloat16", block_size=BLOCK_SIZE, num_kv_blocks=blocks,
-                  progress=False, compile=True)  # fmt: skip
+        llm = mlafx_fp8_llm(directory, num_kv_blocks=blocks, block_size=BLOCK_SIZE)
     else:
         progress(
             f"building mlafx's {quantization} engine on the {plan.model} model (dummy weights)"

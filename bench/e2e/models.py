@@ -9,10 +9,12 @@ with identical weights (each router in its engine's own precision: mlafx scores 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.e2e.fp8_checkpoint import write_in_subprocess
 from mlafx.config import EMBEDDED_DEFAULT_MODEL, EMBEDDED_DEFAULT_OVERRIDES
 from mlafx.config.presets import DEEPSEEK_V2_LITE
 from mlafx.models.deepseek import MLAForCausalLM
@@ -71,6 +73,21 @@ def mlafx_llm(
         progress=False,
         compile=True,
     )
+
+
+def fp8_checkpoint(name: str, directory: Path) -> Path:
+    """``MODELS[name]``'s dummy weights as a DeepSeek block-FP8 checkpoint in ``directory``,
+    written once by a child process and reused after."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
+    return write_in_subprocess(EMBEDDED_DEFAULT_MODEL, MODELS[name], directory)
+
+
+def mlafx_fp8_llm(directory: Path, *, num_kv_blocks: int, block_size: int) -> LLM:
+    """mlafx's compiled engine on the FP8 checkpoint in ``directory``, served from its bytes
+    with bf16 activations."""
+    return LLM(str(directory), dtype="bfloat16", block_size=block_size,
+               num_kv_blocks=num_kv_blocks, progress=False, compile=True)  # fmt: skip
 
 
 def transformers_twin(model: MLAForCausalLM, name: str) -> torch.nn.Module:
