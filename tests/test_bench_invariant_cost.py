@@ -3,6 +3,7 @@ rot) and prints a ratio for every case. Timings are reported, never asserted."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -28,3 +29,18 @@ def test_prints_both_modes_for_every_case():
         high = (invariant + 0.005) / (default - 0.005) + 0.005
         assert low <= ratio <= high
     assert "peak RSS" in done.stdout
+
+
+def test_an_fp8_checkpoint_is_written_once_and_served(tmp_path):
+    """``--quantization fp8``: the tiny model's dummy weights written as a DeepSeek-layout FP8
+    checkpoint in ``--checkpoint-dir``, then served from it in both modes."""
+    cmd = [sys.executable, "-m", "mlafx.cli", "bench", "invariant-cost", "--model", "tiny"]
+    cmd += ["--rounds", "1", "--threads", "1", "--only", "decode b1", "--quantization", "fp8"]
+    cmd += ["--checkpoint-dir", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=os.environ.copy())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fp8 weights" in done.stdout
+    assert sum(x.startswith("decode b1") for x in done.stdout.splitlines()) == 1
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    assert list(tmp_path.glob("*.safetensors"))
