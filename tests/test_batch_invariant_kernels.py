@@ -38,6 +38,7 @@ from mlafx.kernels.quant_ops import (
     quantize_linear_weight,
 )
 from tests.attention_cases import paged_cache
+from tests.kquant_cases import Q, kquant_moe_case, kquant_weight
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, RANK, ROPE, BLOCK = 16, 512, 64, 16
@@ -206,6 +207,31 @@ def test_block_fp8_row_is_the_same_in_any_call(invariant, dtype, block):
     for t in [0, 5, 40, 45, 299]:
         one = (x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
         assert torch.equal(mixed[t : t + 1], moe_experts_fp8(*one, w13, s13, w2, s2, block)), t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gguf_k_quant_row_is_the_same_in_any_call(invariant, dtype):
+    """GGUF's K-quants (Q4_K, Q6_K repacked into k4 / k8): one kernel at every row count (rows
+    split among the threads from 64), so a row alone equals it among 300; the experts add a
+    token's terms in expert order."""
+    gen = torch.Generator().manual_seed(5)
+    M, K, N = 300, 512, 144
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    for qtype in (Q.Q4_K, Q.Q6_K):
+        packed = kquant_weight(qtype, N, K, gen)
+        batch = linear_quantized(x, packed, N)
+        alone = torch.cat([linear_quantized(x[m : m + 1], packed, N) for m in range(M)])
+        assert torch.equal(batch, alone), qtype
+    _, _, _, w13, w2, inter = kquant_moe_case(1, 256, 256, 4, 3, gen)
+    x = torch.randn(M, 256, generator=gen).to(dtype)
+    ids = torch.tensor([0, 2, 0]).repeat(M, 1)  # experts 1 and 3 rare, as above
+    ids[::2, 2] = 2
+    ids[::40, 2], ids[5::40, 0] = 3, 1
+    weights = torch.rand(M, 3, generator=gen)
+    mixed = moe_experts_quantized(x, ids, weights, w13, w2, inter)
+    for t in [0, 5, 40, 45, 299]:
+        one = (x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
+        assert torch.equal(mixed[t : t + 1], moe_experts_quantized(*one, w13, w2, inter)), t
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

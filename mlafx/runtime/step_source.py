@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from mlafx.config import ModelConfig, ServedConfig, check_fits_in_memory
 from mlafx.config.presets import PRESETS
-from mlafx.config.stored_quantization import BlockFp8, PackedInt4
 from mlafx.models.loader import (
     DTYPES,
     LoadFormat,
@@ -86,8 +85,9 @@ def split_options(kwargs: dict[str, Any]) -> tuple[ModelOptions, ServingOptions]
 
 
 def check_batch_invariant(compile: bool) -> None:
-    """``batch_invariant`` needs the compiled step (int8/int4 weights quantized on load and
-    block-FP8 checkpoints are fine: their kernels give a row the same bits at any row count)."""
+    """``batch_invariant`` needs the compiled step (quantized weights of every kind are fine:
+    int8/int4 on load, compressed-tensors int4, block FP8 and GGUF's types all run on kernels
+    that give a row the same bits at any row count in the mode)."""
     if not compile:
         raise ValueError(
             "batch_invariant needs compile=True: the reference model runs ATen's own matmuls, "
@@ -119,18 +119,6 @@ def check_model_options(
     stored = None
     if build.load_format == "auto" and model not in PRESETS:
         stored = servable_stored_quantization(model)  # an unserved format fails here
-    # compressed-tensors int4 is repacked into the int4 kernels' format, which are invariant;
-    # block FP8's kernels keep one order per row in the mode (kernels/csrc/batch_invariant.h)
-    if (
-        stored is not None
-        and options.batch_invariant
-        and not isinstance(stored, PackedInt4 | BlockFp8)
-    ):
-        raise ValueError(
-            "batch_invariant is not supported with GGUF checkpoints yet (their kernels are not "
-            "checked yet); block-FP8 and compressed-tensors int4 checkpoints and "
-            "quantization='int8'/'int4' on load are"
-        )
     if tp != 1:
         check_shardable(cfg, tp, format_blocks(build.quantization, stored))
     # the weights plus the cache must fit

@@ -11,7 +11,9 @@
 // - batched_matmul: the tile kernels at every row count on AMX, else fixed 16-row tiles;
 // - linear_fp8 / moe_experts_fp8 (block FP8): bf16 rows on AMX tiles at every row count, else
 //   the one-row-tile kernels 8 rows at a time, never the fp32 GEMM; experts in expert order
-//   (fp8_aten.h, fp8_dot.cpp, expert_stacks.h).
+//   (fp8_aten.h, fp8_dot.cpp, expert_stacks.h);
+// - linear_quantized / moe_experts_quantized: exact integer sums with one epilogue on every
+//   path, and GGUF's K formats one kernel at every row count; experts in expert order.
 // Off by default (the batch-dependent choices are the fast ones). Process-wide: the engine
 // turns it on for each step it runs (mlafx.kernels.batch_invariant_mode).
 #pragma once

@@ -171,7 +171,9 @@ void run(const Stacks& pb, const Routing& routing, const Fp8Activations& xa, con
   auto stream = [&](std::span<const ExpertGroup> groups) {
     run_streaming<scalar_t>(pb, routing, groups, xa, x);
   };
-  auto gemm = [&](const ExpertGroup& group) { run_gemm_group<scalar_t>(pb, routing, group, xa, x); };
+  auto gemm = [&](const ExpertGroup& group) {
+    run_gemm_group<scalar_t>(pb, routing, group, xa, x);
+  };
   if (batch_invariant()) {
     run_in_expert_order(routing, stream, gemm);
     return;
