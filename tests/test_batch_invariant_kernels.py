@@ -138,6 +138,24 @@ def test_experts_row_is_the_same_in_any_call(invariant, dtype):
         assert torch.equal(mixed[t : t + 1], alone), t
 
 
+def _mixed_routing(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-3 ids and weights for ``rows`` tokens over 4 experts: 1 and 3 rare (streamed)
+    between the popular 0 and 2 (run on all threads one after the other), so a token's terms
+    come from both kinds of group."""
+    ids = torch.tensor([0, 2, 0]).repeat(rows, 1)
+    ids[::2, 2] = 2
+    ids[::40, 2], ids[5::40, 0] = 3, 1
+    return ids, torch.rand(rows, 3, generator=gen)
+
+
+def _assert_each_token_alone(experts, x: torch.Tensor, ids, weights) -> None:
+    """``experts(x, ids, weights)`` of a few tokens alone equal their rows of the whole call."""
+    mixed = experts(x, ids, weights)
+    for t in [0, 5, 40, 45, 299]:
+        alone = experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
+        assert torch.equal(mixed[t : t + 1], alone), t
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_row_is_the_same_in_any_call(invariant, dtype, bits):
@@ -157,14 +175,8 @@ def test_quantized_row_is_the_same_in_any_call(invariant, dtype, bits):
     x = torch.randn(M, D, generator=gen).to(dtype)
     w13 = quantize_experts((torch.randn(E, 2 * inter, D, generator=gen) / D**0.5).to(dtype), bits)
     w2 = quantize_experts((torch.randn(E, D, inter, generator=gen) / inter**0.5).to(dtype), bits)
-    ids = torch.tensor([0, 2, 0]).repeat(M, 1)  # experts 1 and 3 rare: streamed between the
-    ids[::2, 2] = 2  # popular 0 and 2, which run on all threads one after the other
-    ids[::40, 2], ids[5::40, 0] = 3, 1
-    weights = torch.rand(M, 3, generator=gen)
-    mixed = moe_experts_quantized(x, ids, weights, w13, w2, inter)
-    for t in [0, 5, 40, 45, 299]:
-        one = (x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
-        assert torch.equal(mixed[t : t + 1], moe_experts_quantized(*one, w13, w2, inter)), t
+    ids, weights = _mixed_routing(M, gen)
+    _assert_each_token_alone(lambda *a: moe_experts_quantized(*a, w13, w2, inter), x, ids, weights)
 
 
 def _fp8_stack(count: int, rows: int, cols: int, block: tuple[int, int], gen) -> tuple:
@@ -199,14 +211,10 @@ def test_block_fp8_row_is_the_same_in_any_call(invariant, dtype, block):
     w13, s13 = torch.cat([gate, up], 1), torch.cat([gate_s, up_s], 1)
     w2, s2 = _fp8_stack(E, D, inter, block, gen)
     assert s13.shape[1] == 2 * scale_shape(inter, D, block)[0]
-    ids = torch.tensor([0, 2, 0]).repeat(M, 1)  # experts 1 and 3 rare: streamed between the
-    ids[::2, 2] = 2  # popular 0 and 2, which run on all threads one after the other
-    ids[::40, 2], ids[5::40, 0] = 3, 1
-    weights = torch.rand(M, 3, generator=gen)
-    mixed = moe_experts_fp8(x, ids, weights, w13, s13, w2, s2, block)
-    for t in [0, 5, 40, 45, 299]:
-        one = (x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
-        assert torch.equal(mixed[t : t + 1], moe_experts_fp8(*one, w13, s13, w2, s2, block)), t
+    ids, weights = _mixed_routing(M, gen)
+    _assert_each_token_alone(
+        lambda *a: moe_experts_fp8(*a, w13, s13, w2, s2, block), x, ids, weights
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -224,14 +232,8 @@ def test_gguf_k_quant_row_is_the_same_in_any_call(invariant, dtype):
         assert torch.equal(batch, alone), qtype
     _, _, _, w13, w2, inter = kquant_moe_case(1, 256, 256, 4, 3, gen)
     x = torch.randn(M, 256, generator=gen).to(dtype)
-    ids = torch.tensor([0, 2, 0]).repeat(M, 1)  # experts 1 and 3 rare, as above
-    ids[::2, 2] = 2
-    ids[::40, 2], ids[5::40, 0] = 3, 1
-    weights = torch.rand(M, 3, generator=gen)
-    mixed = moe_experts_quantized(x, ids, weights, w13, w2, inter)
-    for t in [0, 5, 40, 45, 299]:
-        one = (x[t : t + 1], ids[t : t + 1], weights[t : t + 1])
-        assert torch.equal(mixed[t : t + 1], moe_experts_quantized(*one, w13, w2, inter)), t
+    ids, weights = _mixed_routing(M, gen)
+    _assert_each_token_alone(lambda *a: moe_experts_quantized(*a, w13, w2, inter), x, ids, weights)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
