@@ -174,16 +174,7 @@ void run(const Stacks& pb, const Routing& routing, const Fp8Activations& xa, con
   auto gemm = [&](const ExpertGroup& group) {
     run_gemm_group<scalar_t>(pb, routing, group, xa, x);
   };
-  if (batch_invariant()) {
-    run_in_expert_order(routing, stream, gemm);
-    return;
-  }
-  if (!routing.streaming.empty()) {
-    stream(routing.streaming);
-  }
-  for (const ExpertGroup& group : routing.gemm) {
-    gemm(group);
-  }
+  run_groups(routing, batch_invariant(), stream, gemm);
 }
 
 }  // namespace mlafx::expert_stacks

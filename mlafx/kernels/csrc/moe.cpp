@@ -448,17 +448,7 @@ at::Tensor moe_experts(const at::Tensor& x,             // [T, D]
     auto stream = [&](std::span<const ExpertGroup> groups) {
       run_streaming<scalar_t>(pb, routing, groups, tiles, x, w13, w2);
     };
-    if (in_expert_order) {
-      run_in_expert_order(routing, stream, run_group);
-      return;
-    }
-    if (!routing.streaming.empty()) {
-      stream(routing.streaming);
-    }
-    // One expert at a time, each on all threads (parallel regions never nest).
-    for (const ExpertGroup& group : routing.gemm) {
-      run_group(group);
-    }
+    run_groups(routing, in_expert_order, stream, run_group);
   });
   return sum.to(x.scalar_type());
 }

@@ -84,6 +84,23 @@ void run_in_expert_order(const Routing& routing, Stream&& stream, Gemm&& gemm) {
   }
 }
 
+// Every group of `routing`: in expert order (run_in_expert_order) when `in_expert_order`, else
+// all streaming groups in one stream(span) call, then each gemm group (one expert at a time,
+// each on all threads: parallel regions never nest).
+template <typename Stream, typename Gemm>
+void run_groups(const Routing& routing, bool in_expert_order, Stream&& stream, Gemm&& gemm) {
+  if (in_expert_order) {
+    run_in_expert_order(routing, stream, gemm);
+    return;
+  }
+  if (!routing.streaming.empty()) {
+    stream(std::span<const ExpertGroup>(routing.streaming));
+  }
+  for (const ExpertGroup& group : routing.gemm) {
+    gemm(group);
+  }
+}
+
 // sum[t(p)] += weight(p) * round(y[j]) over columns [d0, d1) for the group's pairs (y's row j is
 // the group's j-th pair, columns from d0 at y), rounding to scalar_t as the experts' semantics
 // do. `Problem` has num_pairs_per_token, hidden, weights (topk_weights [T, k]) and sum (fp32

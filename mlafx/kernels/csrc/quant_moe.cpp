@@ -253,16 +253,7 @@ at::Tensor moe_experts_quantized(const at::Tensor& x,             // [T, D]
         auto gemm = [&](const ExpertGroup& group) {
           run_gemm_group<scalar_t>(pb, routing, group, xq, x);
         };
-        if (in_expert_order) {
-          run_in_expert_order(routing, stream, gemm);
-          return;
-        }
-        if (!routing.streaming.empty()) {
-          stream(routing.streaming);
-        }
-        for (const ExpertGroup& group : routing.gemm) {
-          gemm(group);
-        }
+        run_groups(routing, in_expert_order, stream, gemm);
       });
   return sum.to(x.scalar_type());
 }
