@@ -34,7 +34,6 @@ from bench.e2e.measure import peak_rss_bytes
 from bench.e2e.models import MODELS, fp8_checkpoint, mlafx_fp8_llm, mlafx_llm
 
 BLOCK_SIZE = 16
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"  # as bench e2e's
 # (name, kind, batch, tokens): prefill tokens = prompt length, decode tokens = cached rows
 CASES = (
     ("prefill 1x1024", "prefill", 1, 1024),
@@ -76,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     blocks = max(blocks_needed(b, n + 1, BLOCK_SIZE) for _, _, b, n in cases)
     print(f"load average at start: {load_average()}", flush=True)
     if args.quantization == "fp8":
-        directory = args.checkpoint_dir or RESULTS / f"fp8-{args.model}"
-        fp8_checkpoint(args.model, directory)
+        directory = fp8_checkpoint(args.model, args.checkpoint_dir)
         llm = mlafx_fp8_llm(directory, num_kv_blocks=blocks, block_size=BLOCK_SIZE)
     else:
         llm = mlafx_llm(

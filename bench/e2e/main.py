@@ -260,9 +260,8 @@ def run_quantized(run: Run, quantization: str, checkpoint_dir: Path | None) -> M
     plan = run.plan
     blocks = kv_blocks_for(plan, "mlafx")
     if quantization == "fp8":
-        directory = checkpoint_dir or RESULTS / f"fp8-{plan.model}"
-        progress(f"writing (or reusing) the {plan.model} model as an FP8 checkpoint in {directory}")
-        fp8_checkpoint(plan.model, directory)
+        progress(f"writing (or reusing) the {plan.model} model as an FP8 checkpoint")
+        directory = fp8_checkpoint(plan.model, checkpoint_dir)
         run.checkpoint_bytes = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
         progress(f"building mlafx's engine on {directory} (its FP8 bytes)")
         reset_peak_rss()

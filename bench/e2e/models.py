@@ -75,11 +75,17 @@ def mlafx_llm(
     )
 
 
-def fp8_checkpoint(name: str, directory: Path) -> Path:
-    """``MODELS[name]``'s dummy weights as a DeepSeek block-FP8 checkpoint in ``directory``,
-    written once by a child process and reused after."""
+# where a bench writes (and reuses) a model's FP8 checkpoint unless told (--checkpoint-dir)
+FP8_CHECKPOINTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def fp8_checkpoint(name: str, directory: Path | None = None) -> Path:
+    """``MODELS[name]``'s dummy weights as a DeepSeek block-FP8 checkpoint in ``directory``
+    (default ``bench/results/fp8-<name>``), written once by a child process and reused after;
+    returns the directory."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
+    directory = directory or FP8_CHECKPOINTS / f"fp8-{name}"
     return write_in_subprocess(EMBEDDED_DEFAULT_MODEL, MODELS[name], directory)
 
 
