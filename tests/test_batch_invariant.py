@@ -9,6 +9,7 @@ batches put hundreds of (token, choice) pairs on each expert."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -112,28 +113,41 @@ def test_quantized_on_load_is_invariant_too(quantization):
     assert results(again)[1:] == alone
 
 
+def assert_stored_checkpoint_is_invariant(
+    path: Path,
+    targets: list[list[int]],
+    others: list[list[int]],
+    max_num_batched_tokens: int,
+    params: mlafx.SamplingParams = PARAMS,
+) -> None:
+    """The checkpoint at ``path`` served in fp32 with ``batch_invariant=True`` (fp32: where a
+    sum's order would show): each of the two targets alone equals it inside a batch of
+    ``others``, chunked every ``max_num_batched_tokens``, and again partly from the prefix
+    cache."""
+
+    def llm(**options) -> mlafx.LLM:
+        return mlafx.LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=1024,
+                         batch_invariant=True, progress=False, **options)  # fmt: skip
+
+    single = llm(enable_prefix_caching=False, enable_chunked_prefill=False)
+    alone = [results(single.generate([p], params))[0] for p in targets]
+    batched = llm(max_num_batched_tokens=max_num_batched_tokens)
+    assert results(batched.generate(others[:2] + targets + others[2:], params))[2:4] == alone
+    again = batched.generate(others[:1] + targets, params)
+    assert all(o.num_cached_tokens > 0 for o in again[1:])
+    assert results(again)[1:] == alone
+
+
 def test_block_fp8_checkpoints_are_invariant_too(tmp_path):
-    """A DeepSeek-layout FP8 checkpoint with partial blocks, fp32 activations (where a sum's
-    order would show; bf16 outputs hide it in a model this small, so the bf16 kernels' rows are
-    checked in tests/test_batch_invariant_kernels.py): each target alone equals it inside a
-    batch, chunked at other boundaries and partly from the prefix cache."""
+    """A DeepSeek-layout FP8 checkpoint with partial blocks, fp32 activations (bf16 outputs hide
+    a sum's order in a model this small, so the bf16 kernels' rows are checked in
+    tests/test_batch_invariant_kernels.py)."""
     overrides, block = FP8_MODELS["v3_blocks_16x32"]
     write_fp8_checkpoint_of(tmp_path, overrides, block)
     rng = random.Random(4)  # the tiny checkpoints have 160 tokens and 256 positions
     targets = [[rng.randrange(2, 160) for _ in range(n)] for n in (7, 150)]
     others = [[rng.randrange(2, 160) for _ in range(n)] for n in (90, 3, 200, 41, 120)]
-
-    def llm(**options) -> mlafx.LLM:
-        return mlafx.LLM(str(tmp_path), dtype="float32", block_size=4, num_kv_blocks=1024,
-                         batch_invariant=True, progress=False, **options)  # fmt: skip
-
-    single = llm(enable_prefix_caching=False, enable_chunked_prefill=False)
-    alone = [results(single.generate([p], PARAMS))[0] for p in targets]
-    batched = llm(max_num_batched_tokens=24)
-    assert results(batched.generate(others[:2] + targets + others[2:], PARAMS))[2:4] == alone
-    again = batched.generate(others[:1] + targets, PARAMS)
-    assert all(o.num_cached_tokens > 0 for o in again[1:])
-    assert results(again)[1:] == alone
+    assert_stored_checkpoint_is_invariant(tmp_path, targets, others, max_num_batched_tokens=24)
 
 
 def test_the_reference_model_is_refused():

@@ -239,31 +239,17 @@ def test_memory_estimate_is_the_loaded_bytes(tmp_path, qtype):
 
 
 def test_batch_invariant_mode_serves_a_k_quant_file(tmp_path):
-    """A Q4_K file (k4 linears and experts; fp32 activations, where a sum's order would show):
-    a prompt alone equals it inside a batch, chunked at other boundaries and partly from the
-    prefix cache."""
+    """A Q4_K file (k4 linears and experts): a prompt alone equals it inside a batch, chunked at
+    other boundaries and partly from the prefix cache."""
+    from tests.test_batch_invariant import assert_stored_checkpoint_is_invariant
+
     path = tmp_path / "Q4_K.gguf"
     write_gguf(path, _tiny_v3(**_K_SIZES), types=block_type(Q.Q4_K))
     rng = random.Random(5)  # 160 tokens, 256 positions
     targets = [[rng.randrange(2, 160) for _ in range(n)] for n in (9, 140)]
     others = [[rng.randrange(2, 160) for _ in range(n)] for n in (70, 2, 180, 33)]
     params = mlafx.SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3)
-
-    def served(llm: mlafx.LLM, prompts: list[list[int]]) -> list[tuple]:
-        outs = llm.generate(prompts, params)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.num_cached_tokens) for o in outs]
-
-    def llm(**options) -> mlafx.LLM:
-        return mlafx.LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=1024,
-                         batch_invariant=True, progress=False, **options)  # fmt: skip
-
-    single = llm(enable_prefix_caching=False, enable_chunked_prefill=False)
-    alone = [served(single, [p])[0][:2] for p in targets]
-    batched = llm(max_num_batched_tokens=20)
-    assert [r[:2] for r in served(batched, others[:2] + targets + others[2:])[2:4]] == alone
-    again = served(batched, others[:1] + targets)[1:]
-    assert all(cached > 0 for *_, cached in again)
-    assert [r[:2] for r in again] == alone
+    assert_stored_checkpoint_is_invariant(path, targets, others, 20, params)
 
 
 def test_errors_name_the_tensor_or_key(tmp_path):
