@@ -19,6 +19,8 @@ from v4_cases import reference_logprobs, transformers_v4
 from v4_checkpoints import WIDTHS, write_deepseek_checkpoint, write_dequantized_copy
 
 from mlafx import LLM, SamplingParams
+from mlafx.config.deepseek_v4 import DeepseekV4Config
+from mlafx.config.model_config import load_hf_config_dict
 
 TOL = 1e-4
 
@@ -108,6 +110,75 @@ def test_preemption_recomputes_without_changing_a_token(hf_model, checkpoint, co
     """A cache too small for the batch: requests are preempted and recomputed."""
     prompts = _prompts([40, 45, 50, 55], seed=4)
     llm = _llm(checkpoint, compiled, block_size=8, num_kv_blocks=26, enable_prefix_caching=False)
+    outputs = _generate(llm, prompts, max_tokens=24)
+    assert llm.engine.stats.num_preemptions > 0
+    _check(hf_model, prompts, outputs)
+
+
+def _peak_token_blocks(llm: LLM) -> list[int]:
+    """The most token blocks held after any schedule of ``llm``'s engine, updated as it runs."""
+    scheduler, rows = llm.engine.scheduler, llm.engine.token_rows
+    assert rows is not None  # V4 without a KV connector keeps its token rows apart
+    peak = [0]
+    schedule = scheduler.schedule
+
+    def tracked():
+        batch = schedule()
+        peak[0] = max(peak[0], rows.num_held)
+        return batch
+
+    scheduler.schedule = tracked  # type: ignore[method-assign]
+    return peak
+
+
+@PATHS
+def test_token_rows_past_the_window_are_dropped(hf_model, checkpoint, compiled):
+    """Two sequences at a time, each holding its token rows from its first read on (the model
+    reads at most 15 tokens back: 2 blocks of 8, plus the blocks of the step): 14 token blocks
+    for 160 cache blocks, whatever the prompts' lengths. Sent again after the others, the 290-
+    token prompt still finds its last blocks' token rows (a full hit) and the 130-token one,
+    whose rows the later prompts took, reuses none: both draw the same tokens."""
+    prompts = _prompts([1, 5, 23, 64, 130, 290], seed=0)
+    llm = _llm(
+        checkpoint, compiled, block_size=8, num_kv_blocks=160, max_num_batched_tokens=37,
+        max_num_seqs=2,
+    )  # fmt: skip
+    engine = llm.engine
+    assert engine.token_rows is not None and engine.token_rows.num_blocks == 2 * 4 + 5 + 1
+    kinds = zip(engine.kv_caches, engine.token_caches, strict=True)
+    assert {c.shape[0] for c, token in kinds if token} == {14} and engine.kv_caches[-1].shape[
+        0
+    ] == 160
+    peak = _peak_token_blocks(llm)
+    outputs = _generate(llm, prompts)
+    _check(hf_model, prompts, outputs)
+    assert 8 <= peak[0] <= 13  # both sequences hold rows; never all 290 tokens' 37 blocks
+    again = prompts[-2:]
+    before = engine.stats.prefix_cache_hit_tokens
+    repeated = _generate(llm, again)
+    assert engine.stats.prefix_cache_hit_tokens - before == 289
+    assert [o.outputs[0].token_ids for o in repeated] == [
+        o.outputs[0].token_ids for o in outputs[-2:]
+    ]
+    assert engine.token_rows.num_held == 0
+
+
+@PATHS
+def test_few_token_blocks_make_requests_wait_and_preempt(hf_model, checkpoint, compiled):
+    """A cache memory whose half holds fewer token blocks than four sequences' windows: the
+    token blocks, not the cache blocks, run out; requests wait and are preempted, and every
+    token stays the reference's."""
+    prompts = _prompts([30, 45, 60, 75, 20], seed=6)
+    cfg = DeepseekV4Config.from_hf_dict(load_hf_config_dict(checkpoint))
+    kinds = zip(cfg.cache_block_shapes(8), cfg.token_caches(), strict=True)
+    widths = [w for (_, w), token in kinds if token]
+    token_block_bytes = 8 * sum(widths) * 4
+    llm = _llm(
+        checkpoint, compiled, block_size=8, max_num_seqs=4, max_num_batched_tokens=37,
+        kv_cache_memory=2 * 10 * token_block_bytes,
+    )  # fmt: skip
+    assert llm.engine.token_rows is not None and llm.engine.token_rows.num_blocks == 10
+    assert llm.engine.blocks.num_blocks > 60
     outputs = _generate(llm, prompts, max_tokens=24)
     assert llm.engine.stats.num_preemptions > 0
     _check(hf_model, prompts, outputs)

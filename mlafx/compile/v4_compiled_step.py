@@ -45,7 +45,7 @@ from mlafx.compile.compiled_step import (
 from mlafx.compile.layer_kinds import LayerKind, layer_signature
 from mlafx.graph.capture import LAYER_PREFIX
 from mlafx.graph.capture_v4 import v4_layer_leaves
-from mlafx.models.deepseek_v4.engine_step import v4_sparse_metadata
+from mlafx.models.deepseek_v4.engine_step import V4StepInputs
 from mlafx.models.deepseek_v4.model import DeepseekV4ForCausalLM, caches_by_layer
 from mlafx.models.deepseek_v4.step import V4StepMetadata
 from mlafx.models.step import StepMetadata
@@ -117,11 +117,9 @@ def v4_layer_package(
         return package
 
 
-class CompiledV4Step:
+class CompiledV4Step(V4StepInputs):
     """The engine's step (``StepFn``) over ``model``'s compiled layers, caches paged in blocks
     of ``block_size`` tokens."""
-
-    reads_key_rows = False  # V4's window and pool rows come from the block tables
 
     def __init__(
         self,
@@ -167,8 +165,7 @@ class CompiledV4Step:
         meta: StepMetadata,
         logits_indices: torch.Tensor,  # [S] int64
     ) -> torch.Tensor:  # [S, vocab]
-        v4_meta = v4_sparse_metadata(self.model.config, meta, positions, self.block_size)
-        return self.run(input_ids, caches, v4_meta, logits_indices)
+        return self.run(input_ids, caches, self.v4_metadata(meta, positions), logits_indices)
 
     def run(
         self,

@@ -108,6 +108,39 @@ class DeepseekV4Config:
             return (c, 4 * c, 4 * self.index_head_dim), (c, self.index_head_dim)
         return (c, 2 * c), (c,)
 
+    @property
+    def overlapping_rates(self) -> tuple[int, ...]:
+        """Rates whose entries pool two windows (CSA's, and its indexer's): closing entry
+        ``w`` reads window ``w - 1``'s token rows too."""
+        return (self.csa_compress_rate,) if CSA in self.layer_types else ()
+
+    def first_token_row_read(self, start: int) -> int:
+        """The first position whose token rows (window rows, compressor inputs) a step that
+        computes positions ``start ..`` reads: its queries' windows (``start - W + 1``) and
+        the windows its compressors close (from ``start // m``; CSA's also the one before).
+        Rows before it are never read again by that sequence."""
+        first = start - self.sliding_window + 1
+        for m in self.compress_rates:
+            window = start // m - (1 if m in self.overlapping_rates else 0)
+            first = min(first, window * m)
+        return max(first, 0)
+
+    @property
+    def token_row_lookback(self) -> int:
+        """How far before its first new position a step may read token rows: the most
+        ``start - first_token_row_read(start)`` can be."""
+        spans = [2 * m - 1 if m in self.overlapping_rates else m - 1 for m in self.compress_rates]
+        return max([self.sliding_window - 1, *spans])
+
+    def token_caches(self) -> tuple[bool, ...]:
+        """Per cache (``cache_block_shapes`` order): whether it holds one row per token (the
+        window rows and compressor inputs) rather than pool entries."""
+        kinds: list[bool] = []
+        for layer in range(self.num_hidden_layers):
+            tokens, pools = self.layer_cache_widths(layer)
+            kinds += [True] * len(tokens) + [False] * len(pools)
+        return tuple(kinds)
+
     def cache_block_shapes(self, block_size: int) -> tuple[tuple[int, int], ...]:
         """Every cache of the step, layer by layer, as the shape of one of its blocks
         ``(rows, width)``: token caches hold ``block_size`` rows, pool caches

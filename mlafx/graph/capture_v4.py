@@ -13,7 +13,9 @@ extents (named ``Dim``s):
     M   token block-table columns;  MP  pool block-table columns
     N   pool entries closing        close_*
     E   visible pool entries (HCA)  visible
-    NB  cache blocks (every cache's first dim)
+    NT  token cache blocks (the window rows' and compressor inputs' first dim)
+    NB  pool cache blocks (the pools' first dim: the engine's block ids; with the token rows
+        in blocks of their own, ``runtime/token_rows.py``, NT and NB differ)
 
 As for MLA layers (``capture.py``), routed experts are recorded as one experts op
 (``mlafx::moe_experts`` with the SwiGLU clamp; the quantized V4 modules already call theirs),
@@ -92,7 +94,6 @@ class V4LayerStep(nn.Module):
         super().__init__()
         self.layer = layer
         self.rate = cfg.compress_rate(index)
-        self.num_caches = sum(map(len, cfg.layer_cache_widths(index)))
 
     def forward(
         self,
@@ -104,34 +105,40 @@ class V4LayerStep(nn.Module):
         return self.layer(x, input_ids, caches, _metadata(self.rate, leaves))
 
 
-def layer_dynamic_shapes(num_caches: int, rate: int, kind: str) -> dict[str, object]:
-    """``V4LayerStep``'s dynamic extents (module docstring)."""
-    t, b, m, nb = Dim("T"), Dim("B"), Dim("M"), Dim("NB")
+def layer_dynamic_shapes(cfg: DeepseekV4Config, index: int) -> dict[str, object]:
+    """``V4LayerStep``'s dynamic extents for layer ``index`` (module docstring)."""
+    rate, kind = cfg.compress_rate(index), cfg.layer_types[index]
+    tokens, pools = cfg.layer_cache_widths(index)
+    t, b, m, nt, nb = Dim("T"), Dim("B"), Dim("M"), Dim("NT"), Dim("NB")
     leaves: list[object] = [{0: t}, {0: t}, {0: b + 1}, {0: b, 1: m}, {0: b}, {0: t}]
     if rate:
         n, mp = Dim("N"), Dim("MP")
         leaves += [{0: n}, {0: n}, {0: n}, {0: n}, {0: b, 1: mp}, {0: b}, {0: t}]
         if kind == HCA:
             leaves.append({0: t, 1: Dim("E")})
-    return {"x": {0: t}, "input_ids": {0: t}, "caches": [{0: nb}] * num_caches, "leaves": leaves}
+    caches = [{0: nt}] * len(tokens) + [{0: nb}] * len(pools)
+    return {"x": {0: t}, "input_ids": {0: t}, "caches": caches, "leaves": leaves}
 
 
 def sample_sequences(cfg: DeepseekV4Config, block_size: int) -> list[SequenceStep]:
     """A sample step of three sequences: a prefill chunk after a context, a decode and a fresh
     prompt, long enough that every pool has entries closing and visible. Block ids are
-    distinct and above 0 (``sample_blocks`` caches)."""
+    distinct and above 0 (``sample_blocks`` caches), and the token rows in blocks of their own
+    (two more of them: the token caches' extent is not the pools')."""
     rate = max(cfg.compress_rates, default=1)
     spans = [(3 * rate + 1, 2 * rate + 3), (5 * rate + 2, 1), (0, 3 * rate + 1)]
     seqs, next_block = [], 1
     for context, new in spans:
         blocks = -(-(context + new) // block_size)
-        seqs.append(SequenceStep(context, new, list(range(next_block, next_block + blocks))))
+        ids = list(range(next_block, next_block + blocks))
+        seqs.append(SequenceStep(context, new, ids, [b + 2 for b in ids]))
         next_block += blocks
     return seqs
 
 
-def sample_blocks(seqs: Sequence[SequenceStep]) -> int:
-    return 1 + max(max(s.block_table) for s in seqs)
+def sample_blocks(seqs: Sequence[SequenceStep]) -> tuple[int, int]:
+    """(token blocks, pool blocks) of the sample caches."""
+    return 1 + max(max(s.token_blocks) for s in seqs), 1 + max(max(s.block_table) for s in seqs)
 
 
 def sample_layer_args(model: DeepseekV4ForCausalLM, index: int, block_size: int) -> tuple:
@@ -139,21 +146,21 @@ def sample_layer_args(model: DeepseekV4ForCausalLM, index: int, block_size: int)
     and token ids, zeroed caches (model dtype)."""
     cfg = model.config
     seqs = sample_sequences(cfg, block_size)
-    meta = v4_step_metadata(seqs, block_size, cfg.sliding_window, cfg.compress_rates, sparse=True)
+    meta = v4_step_metadata(
+        seqs, block_size, cfg.sliding_window, cfg.compress_rates, sparse=True,
+        overlapping_rates=cfg.overlapping_rates,
+    )  # fmt: skip
     tokens = int(meta.positions.shape[0])
     gen = torch.Generator().manual_seed(index)
     x = torch.randn(tokens, cfg.hc_mult, cfg.hidden_size, generator=gen).to(model.dtype)
     input_ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=gen)
-    num_blocks = sample_blocks(seqs)
+    token_blocks, pool_blocks = sample_blocks(seqs)
     tokens_widths, pool_widths = cfg.layer_cache_widths(index)
     rate = cfg.compress_rate(index)
-    rows = [block_size] * len(tokens_widths)
+    caches = [torch.zeros(token_blocks, block_size, w, dtype=model.dtype) for w in tokens_widths]
     if pool_widths:
-        rows += [pool_rows_per_block(rate, block_size)] * len(pool_widths)
-    caches = [
-        torch.zeros(num_blocks, r, w, dtype=model.dtype)
-        for r, w in zip(rows, (*tokens_widths, *pool_widths), strict=True)
-    ]
+        rows = pool_rows_per_block(rate, block_size)
+        caches += [torch.zeros(pool_blocks, rows, w, dtype=model.dtype) for w in pool_widths]
     leaves = v4_layer_leaves(meta, rate, cfg.layer_types[index])
     return (x, input_ids, caches, leaves)
 
@@ -196,8 +203,7 @@ def capture_v4_layer(
     cfg = model.config
     step = V4LayerStep(cast(V4DecoderLayer, model.model.layers[index]), cfg, index)
     args = sample_layer_args(model, index, block_size)
-    rate = cfg.compress_rate(index)
-    dynamic = layer_dynamic_shapes(step.num_caches, rate, cfg.layer_types[index])
+    dynamic = layer_dynamic_shapes(cfg, index)
     with v4_kernels_as_custom_ops(), size_oblivious(), torch.no_grad():
         program = torch.export.export(step, args, dynamic_shapes=dynamic, strict=False)
     return program, args

@@ -54,9 +54,7 @@ def lower_v4_layer(model: DeepseekV4ForCausalLM, index: int, block_size: int) ->
     start = time.perf_counter()
     error = verify_error(captured, lowered, args)
     if error is None:
-        cfg = model.config
-        rate, kind = cfg.compress_rate(index), cfg.layer_types[index]
-        dynamic = layer_dynamic_shapes(len(args[2]), rate, kind)
+        dynamic = layer_dynamic_shapes(model.config, index)
         with size_oblivious(), torch.no_grad():
             program = torch.export.export(lowered, args, dynamic_shapes=dynamic, strict=False)
     stages.append(Stage("verify", captured if error else lowered, time.perf_counter() - start))

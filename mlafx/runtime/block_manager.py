@@ -26,7 +26,7 @@ rows it advertised). A partial entry is forgotten, like a key, when its block is
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mlafx.runtime.block_hash import BlockHash
 
@@ -51,6 +51,8 @@ class BlockManager:
         # blocks by (parent key, first token)
         self._rows_of: dict[int, tuple[BlockHash | None, tuple[int, ...]]] = {}
         self._by_first: dict[tuple[BlockHash | None, int], set[int]] = {}
+        # told of each block handed out afresh (its old rows void): ``TokenRowBlocks.forget``
+        self.on_reuse: Callable[[int], None] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -172,6 +174,8 @@ class BlockManager:
             if key is not None:
                 del self._block_of[key]
             self._forget_rows(block)
+            if self.on_reuse is not None:
+                self.on_reuse(block)
             self._ref_counts[block] = 1
             blocks.append(block)
         return blocks

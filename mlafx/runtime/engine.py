@@ -55,6 +55,7 @@ from mlafx.runtime.step_source import (
     split_options,
     transformers_source,
 )
+from mlafx.runtime.token_rows import cache_block_counts, keeps_token_rows_apart
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,12 @@ class LLM:
         self.step_fn: StepFn = step_fn
         self.cache_fingerprint = cache_fingerprint(config, dtype, options.block_size)
         num_blocks = options.num_blocks(config, dtype)
+        num_token_blocks = None
+        if keeps_token_rows_apart(config, step_fn, kv_connector):
+            assert isinstance(config, DeepseekV4Config)
+            num_blocks, num_token_blocks = cache_block_counts(
+                config, options, dtype, self.max_model_len
+            )
         self.engine = EngineCore(
             config,
             step_fn,
@@ -272,18 +279,20 @@ class LLM:
             kv_connector=kv_connector,
             partial_block_hits=self.workers is None,  # workers hold their own caches
             batch_invariant=options.batch_invariant,
+            num_token_blocks=num_token_blocks,
         )
         self.kv_caches = self.engine.kv_caches
         self._request_counter = itertools.count()
         self._groups: dict[str, list[Request]] = {}  # add_request's, unfinished: id -> copies
         log.info(
-            "mlafx engine: %s (%d layers) %s, %d KV blocks of %d tokens, prefix caching %s, "
+            "mlafx engine: %s (%d layers) %s, %d KV blocks of %d tokens%s, prefix caching %s, "
             "chunked prefill %s, KV connector %s",
             config.model_type,
             config.num_hidden_layers,
             dtype,
             num_blocks,
             options.block_size,
+            "" if num_token_blocks is None else f" ({num_token_blocks} for token rows)",
             "on" if options.enable_prefix_caching else "off",
             "on" if options.enable_chunked_prefill else "off",
             type(kv_connector).__name__ if kv_connector else "none",

@@ -14,6 +14,7 @@ import time
 import torch
 
 from mlafx.config import ModelConfig, ServedConfig
+from mlafx.config.deepseek_v4 import DeepseekV4Config
 from mlafx.kernels import batch_invariant_mode
 from mlafx.models.attention_path import split_threshold
 from mlafx.models.step import StepFn
@@ -28,6 +29,7 @@ from mlafx.runtime.sampler import Sample, SamplingError, sample, top_logprobs
 from mlafx.runtime.scheduler import ScheduledSequence, Scheduler
 from mlafx.runtime.step_inputs import step_inputs_for
 from mlafx.runtime.step_slowdown import StepSlowdownMonitor
+from mlafx.runtime.token_rows import TokenRowBlocks
 
 log = logging.getLogger(__name__)
 _LOGPROB_ROWS = 256  # prompt-logprob rows turned into float32 log-softmax at a time
@@ -52,12 +54,16 @@ class EngineCore:
         kv_connector: KVConnector | None = None,
         partial_block_hits: bool = True,
         batch_invariant: bool = False,
+        num_token_blocks: int | None = None,
     ) -> None:
         """``partial_block_hits``: reuse the leading rows of a cached block by copying them
         (``Scheduler``); off when the step keeps its own caches (tensor-parallel workers),
         where these tensors are not the ones the step reads. ``batch_invariant``: every
         sequence takes the absorbed attention path (one arithmetic for a token however it is
-        scheduled) and each step runs the kernels in batch-invariant mode."""
+        scheduled) and each step runs the kernels in batch-invariant mode.
+        ``num_token_blocks``: DeepSeek-V4's token caches get that many blocks of their own, a
+        sequence holding only those it still reads (``token_rows.py``; the step must take
+        ``bind_token_blocks``); None: every cache has ``num_blocks``."""
         self.config = config
         self.batch_invariant = batch_invariant
         # None: no cost rule, every span absorbed (models/step.py)
@@ -74,12 +80,28 @@ class EngineCore:
         # The paged caches, [num_blocks, rows, width] each with no head axis
         # (``cache_block_shapes``): an MLA model's hold ``block_size`` token rows (a latent
         # cache per MLA block, a DSA indexer's keys); DeepSeek-V4's pools hold one entry per
-        # ``compress_rate`` tokens. All share the block ids and block tables.
-        self.kv_caches = [
-            torch.zeros(num_blocks, rows, width, dtype=dtype)
-            for rows, width in config.cache_block_shapes(block_size)
-        ]
+        # ``compress_rate`` tokens. All share the block ids and block tables, but for V4's
+        # token caches in blocks of their own (``num_token_blocks``).
+        shapes = config.cache_block_shapes(block_size)
         self.blocks = BlockManager(num_blocks, enable_prefix_caching=enable_prefix_caching)
+        self.token_rows: TokenRowBlocks | None = None
+        self.token_caches: tuple[bool, ...] = (False,) * len(shapes)
+        first_read = None
+        if num_token_blocks is not None:
+            assert isinstance(config, DeepseekV4Config)  # only V4 keeps token rows apart
+            self.token_rows = TokenRowBlocks(num_token_blocks, num_blocks, self.blocks.is_cached)
+            self.token_caches, first_read = config.token_caches(), config.first_token_row_read
+            self.blocks.on_reuse = self.token_rows.forget
+            step_fn.bind_token_blocks(self.token_rows.table)  # type: ignore[attr-defined]
+        self.kv_caches = [
+            torch.zeros(
+                num_token_blocks if token and num_token_blocks else num_blocks,
+                rows,
+                width,
+                dtype=dtype,
+            )  # fmt: skip
+            for (rows, width), token in zip(shapes, self.token_caches, strict=True)
+        ]
         self.stats = EngineStats()
         # under TP the driver's threads wait for the workers': its step time covers theirs
         self.slowdown = StepSlowdownMonitor(threads=torch.get_num_threads)
@@ -95,6 +117,8 @@ class EngineCore:
             enable_chunked_prefill=enable_chunked_prefill,
             kv_transfer=self.kv_transfer,
             copy_rows=self._copy_rows if partial_block_hits else None,
+            token_rows=self.token_rows,
+            first_read=first_read,
         )
         self.requests: dict[str, Request] = {}  # unfinished, by id
 
@@ -102,10 +126,15 @@ class EngineCore:
         """The cache rows of tokens ``0 .. rows-1`` of block ``src`` into block ``dst``, every
         cache: a pool of ``per_block`` entries per block copies the entries those tokens
         closed (``rows * per_block // block_size``: entry ``j`` closes at token
-        ``(j + 1) * rate - 1`` of the block)."""
-        for cache in self.kv_caches:
+        ``(j + 1) * rate - 1`` of the block); token caches in blocks of their own copy between
+        the blocks holding ``src``'s and ``dst``'s token rows."""
+        for cache, token in zip(self.kv_caches, self.token_caches, strict=True):
             count = rows * cache.shape[1] // self.block_size
-            cache[dst, :count] = cache[src, :count]
+            if token and self.token_rows is not None:
+                table = self.token_rows.table
+                cache[int(table[dst]), :count] = cache[int(table[src]), :count]
+            else:
+                cache[dst, :count] = cache[src, :count]
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:

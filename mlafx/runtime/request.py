@@ -22,6 +22,7 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     blocks: list[int] = field(default_factory=list)  # KV blocks, in position order
+    token_rows_from: int = 0  # the first of ``blocks`` whose token rows it holds (token_rows.py)
     num_computed_tokens: int = 0  # tokens whose latent rows are in the cache
     num_registered_blocks: int = 0  # leading blocks offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens not computed (prefix hits + external loads)

@@ -25,6 +25,14 @@ connector load): the leading rows of a cached block (a full one, or another requ
 filled last block) that hold the request's next tokens are copied into the request's own new
 block, and computing starts after them. A prompt sent again thus computes only its last
 token, whatever its length.
+
+With ``token_rows`` (DeepSeek-V4's token caches in blocks of their own: ``token_rows.py``) a
+request holds token rows only from the block of ``first_read(its next position)`` on: each
+step first releases those it will never read again, then takes token blocks for its new
+blocks, and a request that cannot get both waits or preempts as for cache blocks. A prefix
+hit is cut back to the longest run whose last blocks still keep the token rows the next step
+reads (and a partial hit needs its source's); the pool entries of the blocks before them are
+all the request reads of its past.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from mlafx.runtime.block_manager import BlockManager
 from mlafx.runtime.kv_transfer import KVTransfer
 from mlafx.runtime.metrics import EngineStats
 from mlafx.runtime.request import Request
+from mlafx.runtime.token_rows import TokenRowBlocks
 
 
 @dataclass(frozen=True)
@@ -85,9 +94,18 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         kv_transfer: KVTransfer | None = None,
         copy_rows: Callable[[int, int, int], None] | None = None,
+        token_rows: TokenRowBlocks | None = None,
+        first_read: Callable[[int], int] | None = None,
     ) -> None:
         """``copy_rows(src, dst, rows)`` copies the first ``rows`` cache rows of block
-        ``src`` into block ``dst`` in every layer; without it there are no partial hits."""
+        ``src`` into block ``dst`` in every layer; without it there are no partial hits.
+        ``token_rows``: token rows in blocks of their own, a request's held from
+        ``first_read(next position)`` on (``DeepseekV4Config.first_token_row_read``); not with
+        a KV connector."""
+        if (token_rows is None) != (first_read is None):
+            raise ValueError("token_rows and first_read go together")
+        if token_rows is not None and kv_transfer is not None:
+            raise ValueError("token rows in blocks of their own do not work with a KV connector")
         self.blocks = blocks
         self.stats = stats
         self.block_size = block_size
@@ -96,6 +114,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.kv_transfer = kv_transfer
         self.copy_rows = copy_rows
+        self.token_rows = token_rows
+        self.first_read = first_read
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
 
@@ -147,14 +167,45 @@ class Scheduler:
         return list(scheduled.values())
 
     def _grow(self, request: Request, end: int) -> bool:
-        """Give ``request`` the blocks positions ``< end`` need; False if none are free."""
+        """Give ``request`` the blocks positions ``< end`` need (and their token rows, after
+        dropping those it will not read again); False if none are free."""
+        self._release_token_rows(request, self._first_token_block(request.num_computed_tokens))
         missing = -(-end // self.block_size) - len(request.blocks)
         if missing <= 0:
             return True
         if missing > self.blocks.num_free_blocks:
             return False
-        request.blocks += self.blocks.allocate(missing)
+        if self.token_rows is not None and missing > self.token_rows.num_available:
+            return False
+        new = self.blocks.allocate(missing)
+        if self.token_rows is not None:
+            self.token_rows.allocate(new)
+        request.blocks += new
         return True
+
+    def _first_token_block(self, start: int) -> int:
+        """The first block whose token rows a step computing from ``start`` reads."""
+        return 0 if self.first_read is None else self.first_read(start) // self.block_size
+
+    def _release_token_rows(self, request: Request, first: int) -> None:
+        """Release ``request``'s token rows of blocks before ``first``."""
+        first = min(first, len(request.blocks))
+        if self.token_rows is not None and first > request.token_rows_from:
+            self.token_rows.release(request.blocks[request.token_rows_from : first])
+            request.token_rows_from = first
+
+    def _readable_hits(self, hits: list[int]) -> int:
+        """How many leading ``hits`` can be reused: all, or (token rows in blocks of their
+        own) the longest run whose blocks from the next step's first read on keep theirs."""
+        if self.token_rows is None:
+            return len(hits)
+        count = len(hits)
+        while count and not all(
+            self.token_rows.has_rows(b)
+            for b in hits[self._first_token_block(count * self.block_size) : count]
+        ):
+            count -= 1
+        return count
 
     def _admit(self, request: Request, budget: int, *, alone: bool) -> ScheduledSequence | None:
         """Take blocks for ``request``'s prefix hits and first chunk, or None if it must
@@ -165,11 +216,14 @@ class Scheduler:
         reuse = not request.needs_prompt_logits
         keys = request.block_keys(bs, (request.num_tokens - 1) // bs) if reuse else []
         hits = self.blocks.lookup(keys)
+        hits = hits[: self._readable_hits(hits)]
         num_external = 0
         if self.kv_transfer is not None and len(hits) < len(keys):
             num_external = max(self.kv_transfer.lookup(keys) - len(hits), 0)
         partial = reuse and not num_external
         source, rows = self._partial_hit(request, keys, len(hits)) if partial else (0, 0)
+        if rows and self.token_rows is not None and not self.token_rows.has_rows(source):
+            source, rows = 0, 0
         start = (len(hits) + num_external) * bs + rows
         end = self._chunk_end(request, start, budget)
         if end - start > budget and not alone:
@@ -178,12 +232,25 @@ class Scheduler:
         held = hits + [source] if rows else hits  # the source is held while it is copied
         if needed + self.blocks.num_free_among(held) > self.blocks.num_free_blocks:
             return None
+        first_token_block = self._first_token_block(start)
+        token_held = held[first_token_block:]  # those of hits (and the source) it reads
+        if self.token_rows is not None and (
+            needed + self.token_rows.num_available_among(token_held) > self.token_rows.num_available
+        ):
+            return None
         self.blocks.touch(held)
+        if self.token_rows is not None:
+            self.token_rows.hold(token_held)
         request.blocks = hits + self.blocks.allocate(needed)
+        request.token_rows_from = first_token_block
+        if self.token_rows is not None:
+            self.token_rows.allocate(request.blocks[len(hits) :])
         if rows:
             assert self.copy_rows is not None  # partial-block hits need it
             self.copy_rows(source, request.blocks[len(hits)], rows)
             self.blocks.free([source])
+            if self.token_rows is not None:
+                self.token_rows.release([source])
         if num_external:
             assert self.kv_transfer is not None  # external hits come from it
             external_blocks = request.blocks[len(hits) : len(hits) + num_external]
@@ -234,8 +301,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Evict a running request: free its blocks, requeue it first, keep its outputs."""
         self.running.remove(request)
-        self.blocks.free(request.blocks)
-        request.blocks = []
+        self._free_blocks(request)
         request.num_computed_tokens = 0
         request.num_registered_blocks = 0
         request.metrics.num_preemptions += 1
@@ -273,6 +339,12 @@ class Scheduler:
 
     def finish(self, request: Request) -> None:
         self.running.remove(request)
+        self._free_blocks(request)
+
+    def _free_blocks(self, request: Request) -> None:
+        if self.token_rows is not None:
+            self.token_rows.release(request.blocks[request.token_rows_from :])
+        request.token_rows_from = 0
         self.blocks.free(request.blocks)
         request.blocks = []
 

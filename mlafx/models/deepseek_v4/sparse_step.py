@@ -2,12 +2,13 @@
 ``kernels/dsa_ops.py``) instead of the reference's dense masks: per sequence its block table,
 per query the positions it may read.
 
-The window rows are the token caches' positions (``block_table``, ``block_size`` rows a
-block). Pool entry ``w`` of rate ``m`` lives at row ``w % rows`` of block ``pool_table[b, w //
-rows]`` with ``rows = pool_rows_per_block(m, block_size)`` (``step.py``'s layout read as a paged
-cache): the token block table itself when ``m`` divides the block size, else the block of each
-entry's last token. A query at position ``p`` reads the window positions ``p - W < j <= p`` and
-the entries ``w < (p + 1) // m``; a CSA layer's indexer picks ``index_topk`` of those.
+The window rows are the token caches' positions (``block_table``: the sequences' token
+blocks, ``block_size`` rows a block). Pool entry ``w`` of rate ``m`` lives at row ``w % rows``
+of block ``pool_table[b, w // rows]`` with ``rows = pool_rows_per_block(m, block_size)``
+(``step.py``'s layout read as a paged cache): the sequence's block table itself when ``m``
+divides the block size, else the block of each entry's last token. A query at position ``p``
+reads the window positions ``p - W < j <= p`` and the entries ``w < (p + 1) // m``; a CSA
+layer's indexer picks ``index_topk`` of those.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class SparseStep:
     """T new tokens of B sequences.
 
     query_start_loc [B + 1] int32  each sequence's first new token
-    block_table     [B, M] int32   token cache blocks of each sequence
+    block_table     [B, M] int32   token cache blocks of each sequence (0 where it holds none)
     kv_lens         [B] int32      tokens cached once the step is done
     window          [T, W] int64   each query's window positions ``p - W < j <= p``, -1 for
                                    those before the sequence's start
@@ -104,7 +105,7 @@ def sparse_step(
     window = positions[:, None] - (sliding_window - 1) + torch.arange(sliding_window)[None, :]
     return SparseStep(
         query_start_loc=starts.to(torch.int32),
-        block_table=_tables([list(s.block_table) for s in seqs]),
+        block_table=_tables([list(s.token_blocks) for s in seqs]),
         kv_lens=(context + new).to(torch.int32),
         window=window.masked_fill(window < 0, -1),
         pools={m: _pool(seqs, positions, m, block_size) for m in sorted(set(rates))},

@@ -12,6 +12,11 @@ cache in paged blocks of ``block_size`` token slots (``block_table``). Every lay
     that closes a window writes its entry into a block it owns: a sequence that shares another's
     full blocks (a prefix hit at any block boundary) never writes into them, whatever m.
 
+Token rows may live in blocks of their own (``token_block_table``, the engine's
+``TokenRowBlocks``): a sequence then holds token blocks only from the block of
+``DeepseekV4Config.first_token_row_read(context)`` on, and the step reads none before it (a
+non-overlapping rate's closing entries name their own window twice, the first half unread).
+
 A query at position p reads the window rows ``p - W < position <= p`` of its sequence
 (W = ``sliding_window``) and the pool entries ``w < (p + 1) // m`` (windows that closed at or
 before p); a CSA layer's indexer picks ``index_topk`` of those. An entry closes in the step
@@ -33,11 +38,18 @@ from mlafx.models.deepseek_v4.sparse_step import SparseStep, sparse_step
 @dataclass(frozen=True)
 class SequenceStep:
     """One sequence's part of a step: ``new_tokens`` tokens after ``context`` cached ones, its
-    cache blocks ``block_table`` (enough for ``context + new_tokens`` slots)."""
+    cache blocks ``block_table`` (enough for ``context + new_tokens`` slots) and the blocks of
+    its token rows (``token_block_table``, the same length; None: ``block_table``'s; 0 where
+    the sequence holds no token rows)."""
 
     context: int
     new_tokens: int
     block_table: Sequence[int]
+    token_block_table: Sequence[int] | None = None
+
+    @property
+    def token_blocks(self) -> Sequence[int]:
+        return self.block_table if self.token_block_table is None else self.token_block_table
 
 
 @dataclass(frozen=True)
@@ -100,11 +112,13 @@ class V4StepMetadata:
         raise KeyError(f"the step has no pool of compression rate {rate}")
 
 
-def _token_slot(block_table: Sequence[int], position: int, block_size: int) -> int:
+def _token_slot(token_blocks: Sequence[int], position: int, block_size: int) -> int:
     block = position // block_size
-    if block >= len(block_table):
-        raise ValueError(f"position {position} is past the sequence's {len(block_table)} blocks")
-    return block_table[block] * block_size + position % block_size
+    if block >= len(token_blocks):
+        raise ValueError(f"position {position} is past the sequence's {len(token_blocks)} blocks")
+    if token_blocks[block] == 0:
+        raise ValueError(f"position {position}: the sequence holds no token rows there")
+    return token_blocks[block] * block_size + position % block_size
 
 
 def _pool_slot(block_table: Sequence[int], entry: int, rate: int, block_size: int) -> int:
@@ -114,19 +128,25 @@ def _pool_slot(block_table: Sequence[int], entry: int, rate: int, block_size: in
 
 
 def _pool_step(
-    seqs: Sequence[SequenceStep], rate: int, block_size: int, long: torch.dtype, entries: bool
+    seqs: Sequence[SequenceStep],
+    rate: int,
+    block_size: int,
+    long: torch.dtype,
+    entries: bool,
+    overlap: bool,
 ) -> PoolStep:
-    """The pool's closing entries; ``entries``: also every readable one (the dense path's)."""
+    """The pool's closing entries; ``entries``: also every readable one (the dense path's).
+    Without ``overlap`` an entry's first m sources (unread) repeat its own window."""
     close_slots, sources, has_prev, close_pos = [], [], [], []
     entry_slots, entry_seq, entry_idx = [], [], []
     for b, s in enumerate(seqs):
-        bt, end = s.block_table, s.context + s.new_tokens
+        bt, tt, end = s.block_table, s.token_blocks, s.context + s.new_tokens
         for w in range(s.context // rate, end // rate):  # windows whose last token is new
             close_slots.append(_pool_slot(bt, w, rate, block_size))
-            prev = w - 1 if w else 0
+            prev = (w - 1 if w else 0) if overlap else w
             sources.append(
-                [_token_slot(bt, prev * rate + j, block_size) for j in range(rate)]
-                + [_token_slot(bt, w * rate + j, block_size) for j in range(rate)]
+                [_token_slot(tt, prev * rate + j, block_size) for j in range(rate)]
+                + [_token_slot(tt, w * rate + j, block_size) for j in range(rate)]
             )
             has_prev.append(w > 0)
             close_pos.append(w * rate)
@@ -152,10 +172,13 @@ def v4_step_metadata(
     sliding_window: int,
     rates: Sequence[int],
     sparse: bool = False,
+    overlapping_rates: Sequence[int] | None = None,
 ) -> V4StepMetadata:
     """The step inputs of ``seqs`` (see the module docstring); with ``sparse`` the paged form
     attention takes on mlafx's ops (``sparse_step.py``) instead of the dense key and entry
-    lists."""
+    lists. ``overlapping_rates``: the rates whose entries pool two windows
+    (``DeepseekV4Config.overlapping_rates``; None: every rate's sources name both)."""
+    overlapping = set(rates if overlapping_rates is None else overlapping_rates)
     long = torch.int64
     positions, slots, seq_ids, key_slots, key_seq, key_pos = [], [], [], [], [], []
     for b, s in enumerate(seqs):
@@ -164,10 +187,10 @@ def v4_step_metadata(
         end = s.context + s.new_tokens
         for p in range(s.context, end):
             positions.append(p)
-            slots.append(_token_slot(s.block_table, p, block_size))
+            slots.append(_token_slot(s.token_blocks, p, block_size))
             seq_ids.append(b)
         for p in range(max(0, s.context - sliding_window + 1), end if not sparse else 0):
-            key_slots.append(_token_slot(s.block_table, p, block_size))
+            key_slots.append(_token_slot(s.token_blocks, p, block_size))
             key_seq.append(b)
             key_pos.append(p)
     return V4StepMetadata(
@@ -178,7 +201,8 @@ def v4_step_metadata(
         key_seq_ids=torch.tensor(key_seq, dtype=long),
         key_positions=torch.tensor(key_pos, dtype=long),
         pools=tuple(
-            _pool_step(seqs, m, block_size, long, entries=not sparse) for m in sorted(set(rates))
+            _pool_step(seqs, m, block_size, long, not sparse, m in overlapping)
+            for m in sorted(set(rates))
         ),
         sparse=sparse_step(seqs, block_size, sliding_window, rates) if sparse else None,
     )

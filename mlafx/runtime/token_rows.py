@@ -1,0 +1,167 @@
+"""Token rows in blocks of their own, held only while a sequence still reads them.
+
+DeepSeek-V4 caches two kinds of rows per layer (``models/deepseek_v4/step.py``): token rows
+(the window's K=V rows and the compressors' inputs, thousands of values per token) and pool
+entries (one per ``m`` tokens). A sequence reads a token row only while the row is inside its
+window or its compressor window is still open, so past ``DeepseekV4Config.first_token_row_read``
+its token rows are dead weight: kept, a V4-Flash token costs ~200 KB; dropped, ~7 KB.
+
+So the engine keeps the token caches in ``num_blocks`` token blocks of their own, and this
+allocator maps each cache block id (the block tables' ids, which the pools keep using) to the
+token block holding that block's token rows, in ``table`` (``[num_cache_blocks]`` int32, 0 =
+none: token block 0 is reserved, like cache block 0). The steps read token rows through it
+(``V4StepInputs.bind_token_blocks``).
+
+A cache block's token rows are *held* while some sequence still reads them (``hold``,
+``allocate``, ``release``: counted per cache block). Released rows stay mapped, in a
+least-recently-released queue, as the block manager keeps freed prefix blocks: a later prefix
+hit that ends there can take them back (``has_rows``); only when a new block needs a token block
+are the oldest released rows dropped (their cache block keeps its pool entries). Rows whose
+cache block holds no reusable prefix (``is_cached`` False) are dropped first. When the block
+manager hands a cache block out again, its old rows are forgotten (``forget``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mlafx.config.deepseek_v4 import DeepseekV4Config
+from mlafx.config.memory import dtype_bytes
+from mlafx.runtime.options import DEFAULT_KV_CACHE_MEMORY, ServingOptions
+
+
+class TokenRowBlocks:
+    def __init__(
+        self, num_blocks: int, num_cache_blocks: int, is_cached: Callable[[int], bool]
+    ) -> None:
+        """``num_blocks`` token blocks (block 0 reserved) for ``num_cache_blocks`` cache
+        blocks; ``is_cached(block)``: whether a cache block holds rows a later request may
+        reuse (``BlockManager.is_cached``)."""
+        if num_blocks < 2:
+            raise ValueError(f"token rows need at least 2 blocks (0 is reserved), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.table = torch.zeros(num_cache_blocks, dtype=torch.int32)
+        self._is_cached = is_cached
+        self._holders = [0] * num_cache_blocks
+        self._owner: dict[int, int] = {}  # token block -> the cache block whose rows it holds
+        # token blocks nobody holds: unmapped or dropped-first ones at the front, then
+        # released cached rows in release order (the oldest are taken first)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+
+    @property
+    def num_available(self) -> int:
+        """Token blocks a new block could take (unheld; some may hold released rows)."""
+        return len(self._free)
+
+    @property
+    def num_held(self) -> int:
+        return self.num_blocks - 1 - len(self._free)
+
+    def has_rows(self, block: int) -> bool:
+        """Whether cache block ``block``'s token rows are still kept."""
+        return bool(self.table[block])
+
+    def num_available_among(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks``' kept rows sit unheld (holding them shrinks the pool)."""
+        return sum(1 for b in blocks if self._holders[b] == 0 and self.table[b])
+
+    def hold(self, blocks: Sequence[int]) -> None:
+        """Take a hold on the kept token rows of ``blocks`` (a prefix hit's)."""
+        for block in blocks:
+            token_block = int(self.table[block])
+            if not token_block:
+                raise RuntimeError(f"cache block {block} keeps no token rows to hold")
+            if self._holders[block] == 0:
+                del self._free[token_block]
+            self._holders[block] += 1
+
+    def allocate(self, blocks: Sequence[int]) -> None:
+        """Token blocks for fresh cache ``blocks`` (just allocated: no rows kept), dropping
+        the oldest released rows if need be."""
+        for block in blocks:
+            if self.table[block] or self._holders[block]:
+                raise RuntimeError(f"cache block {block} already has token rows")
+        if len(blocks) > len(self._free):
+            raise RuntimeError(f"asked for {len(blocks)} token blocks, {len(self._free)} free")
+        for block in blocks:
+            token_block, _ = self._free.popitem(last=False)
+            previous = self._owner.pop(token_block, None)
+            if previous is not None:
+                self.table[previous] = 0
+            self._owner[token_block] = block
+            self.table[block] = token_block
+            self._holders[block] = 1
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one hold on the token rows of each of ``blocks`` (in position order)."""
+        for block in reversed(blocks):
+            if self._holders[block] <= 0:
+                raise RuntimeError(f"token rows of cache block {block} released more than held")
+            self._holders[block] -= 1
+            if self._holders[block] == 0:
+                token_block = int(self.table[block])
+                self._free[token_block] = None
+                if not self._is_cached(block):  # no later request can want them
+                    self._free.move_to_end(token_block, last=False)
+
+    def forget(self, block: int) -> None:
+        """Cache block ``block`` is handed out afresh: its old token rows are void."""
+        token_block = int(self.table[block])
+        if not token_block:
+            return
+        if self._holders[block]:
+            raise RuntimeError(f"cache block {block} is reused while its token rows are held")
+        del self._owner[token_block]
+        self.table[block] = 0
+        self._free.move_to_end(token_block, last=False)
+
+
+def cache_block_counts(
+    cfg: DeepseekV4Config, options: ServingOptions, dtype: str, max_model_len: int
+) -> tuple[int, int]:
+    """(cache blocks, token blocks) of a V4 engine keeping token rows apart: the token blocks
+        hold every running sequence's rows from its first read on (``max_num_seqs`` of them, and a
+        step's new tokens) but take at most half of ``kv_cache_memory``, never fewer than one
+        sequence's longest step needs (a whole prompt without chunked prefill); the cache blocks
+        (the pools, tiny per token) get the rest (at most as many as ``max_num_seqs`` sequences
+    of ``max_model_len`` fill). With ``num_kv_blocks`` given, that many cache
+        blocks and at most as many token blocks."""
+    bs = options.block_size
+    size = dtype_bytes(dtype)
+    shapes = cfg.cache_block_shapes(bs)
+    kinds = cfg.token_caches()
+    token_bytes = sum(r * w for (r, w), token in zip(shapes, kinds, strict=True) if token) * size
+    pool_bytes = sum(r * w for (r, w), token in zip(shapes, kinds, strict=True) if not token) * size
+    lookback = -(-cfg.token_row_lookback // bs)
+    span = options.max_num_batched_tokens if options.enable_chunked_prefill else max_model_len
+    least = -(-(span + cfg.token_row_lookback) // bs) + 3  # + the reserved block 0
+    wanted = options.max_num_seqs * (lookback + 2) + -(-options.max_num_batched_tokens // bs) + 1
+    if options.num_kv_blocks is not None:
+        blocks = options.num_blocks(cfg, dtype)
+        return blocks, min(blocks, max(least, wanted))
+    memory = DEFAULT_KV_CACHE_MEMORY if options.kv_cache_memory is None else options.kv_cache_memory
+    tokens = max(least, min(wanted, memory // 2 // token_bytes))
+    blocks = (memory - tokens * token_bytes) // max(pool_bytes, 1)
+    # a model without pools: as many block ids as every sequence could fill
+    blocks = min(blocks, options.max_num_seqs * -(-max_model_len // bs) + 1)
+    if blocks < 2:
+        raise ValueError(
+            f"a kv_cache_memory of {memory / 2**20:.1f} MiB holds {blocks} KV block(s) after the "
+            f"{tokens} token-row blocks of {bs} tokens one step may need "
+            f"({tokens * token_bytes / 2**20:.1f} MiB); at least 2 are needed: raise it"
+        )
+    return int(blocks), int(min(tokens, blocks))
+
+
+def keeps_token_rows_apart(config: object, step_fn: object, kv_connector: object) -> bool:
+    """Whether an engine keeps token rows in blocks of their own: a DeepSeek-V4 model whose
+    step reads them through a token-block map (``bind_token_blocks``), without a KV connector
+    (a stored chunk holds every cache's rows of its blocks, so there they stay whole)."""
+    return (
+        isinstance(config, DeepseekV4Config)
+        and kv_connector is None
+        and hasattr(step_fn, "bind_token_blocks")
+    )
