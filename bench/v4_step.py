@@ -29,37 +29,40 @@ from mlafx.models.deepseek_v4.step import SequenceStep, v4_step_metadata
 BLOCK = 64
 
 
-def config(hidden: int) -> DeepseekV4Config:
-    return DeepseekV4Config.from_hf_dict(
-        dict(
-            model_type="deepseek_v4",
-            vocab_size=32000,
-            hidden_size=hidden,
-            num_hidden_layers=3,
-            num_attention_heads=16,
-            head_dim=512,
-            q_lora_rank=512,
-            qk_rope_head_dim=64,
-            o_groups=4,
-            o_lora_rank=512,
-            moe_intermediate_size=512,
-            n_routed_experts=16,
-            num_experts_per_tok=4,
-            layer_types=[
-                "sliding_attention",
-                "compressed_sparse_attention",
-                "heavily_compressed_attention",
-            ],
-            mlp_layer_types=["hash_moe", "moe", "moe"],
-            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-            sliding_window=128,
-            index_n_heads=16,
-            index_head_dim=128,
-            index_topk=512,
-            hc_mult=4,
-            max_position_embeddings=1 << 20,
-        )
+def hf_config(hidden: int) -> dict:
+    """The model's config.json (transformers' keys)."""
+    return dict(
+        model_type="deepseek_v4",
+        vocab_size=32000,
+        hidden_size=hidden,
+        num_hidden_layers=3,
+        num_attention_heads=16,
+        head_dim=512,
+        q_lora_rank=512,
+        qk_rope_head_dim=64,
+        o_groups=4,
+        o_lora_rank=512,
+        moe_intermediate_size=512,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        layer_types=[
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+        ],
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        sliding_window=128,
+        index_n_heads=16,
+        index_head_dim=128,
+        index_topk=512,
+        hc_mult=4,
+        max_position_embeddings=1 << 20,
     )
+
+
+def config(hidden: int) -> DeepseekV4Config:
+    return DeepseekV4Config.from_hf_dict(hf_config(hidden))
 
 
 def main() -> None:
