@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 from bench.v4_step import BLOCK, config, hf_config
-
 from mlafx import LLM, SamplingParams
 
 
