@@ -55,10 +55,10 @@ def main() -> None:
             f"{engine.blocks.num_blocks} pool blocks ({pool_bytes / 2**20:.1f} MiB, "
             f"{engine.blocks.num_blocks * BLOCK} tokens)"
         )
-        need_all = args.context * (per_token_all + per_token_pool)
+        every = per_token_all + per_token_pool
         print(
-            f"every token's rows for {args.context} tokens: {need_all / 2**20:.1f} MiB "
-            f"({per_token_all + per_token_pool:.0f} B a token against {per_token_pool:.0f} B of pools)"
+            f"every token's rows for {args.context} tokens: {args.context * every / 2**20:.1f} "
+            f"MiB ({every:.0f} B a token against {per_token_pool:.0f} B of pools)"
         )
         rng = random.Random(0)
         prompt = [rng.randrange(cfg.vocab_size) for _ in range(args.context)]
