@@ -160,7 +160,7 @@ def test_token_rows_past_the_window_are_dropped(hf_model, checkpoint, compiled):
     assert [o.outputs[0].token_ids for o in repeated] == [
         o.outputs[0].token_ids for o in outputs[-2:]
     ]
-    assert engine.token_rows.num_held == 0
+    assert engine.token_rows.num_held == 0 and llm.get_metrics()["token_rows_usage"] == 0.0
 
 
 @PATHS

@@ -396,6 +396,8 @@ class LLM:
           ``computed_prompt_tokens``, ``generation_tokens``, ``busy_s``, ``num_requests``,
           ``num_finished_requests``, ``num_aborted_requests``, ``num_steps``) and
           ``kv_cache_usage`` (fraction of usable blocks held by requests now);
+        - ``token_rows_usage``: DeepSeek-V4's token-row blocks held by requests now, as a
+          fraction of the usable ones (``runtime/token_rows.py``; 0 for other models);
         - ``num_slow_steps``: steps that took at least twice their recent median (steps of
           about the same size; a busy machine, see ``runtime/step_slowdown.py``), and
           ``last_step_vs_median``: the latest step's time over that median (0 until a size

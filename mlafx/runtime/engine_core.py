@@ -305,6 +305,11 @@ class EngineCore:
     def metrics(self) -> dict[str, float]:
         return {
             **self.stats.as_dict(self.blocks.num_free_blocks, self.blocks.num_usable_blocks),
+            "token_rows_usage": (
+                0.0
+                if self.token_rows is None
+                else self.token_rows.num_held / (self.token_rows.num_blocks - 1)
+            ),
             "num_slow_steps": self.slowdown.num_slow_steps,
             "last_step_vs_median": self.slowdown.last_ratio,
         }

@@ -200,12 +200,20 @@ class Scheduler:
         if self.token_rows is None:
             return len(hits)
         count = len(hits)
-        while count and not all(
-            self.token_rows.has_rows(b)
-            for b in hits[self._first_token_block(count * self.block_size) : count]
-        ):
-            count -= 1
-        return count
+        while count:
+            first = self._first_token_block(count * self.block_size)
+            lost = next(
+                (
+                    i
+                    for i in range(count - 1, first - 1, -1)
+                    if not self.token_rows.has_rows(hits[i])
+                ),
+                None,
+            )
+            if lost is None:
+                return count
+            count = lost  # every longer run reads block ``lost`` too (the bound only grows)
+        return 0
 
     def _admit(self, request: Request, budget: int, *, alone: bool) -> ScheduledSequence | None:
         """Take blocks for ``request``'s prefix hits and first chunk, or None if it must

@@ -44,6 +44,7 @@ class TokenRowBlocks:
             raise ValueError(f"token rows need at least 2 blocks (0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
         self.table = torch.zeros(num_cache_blocks, dtype=torch.int32)
+        self._token_block = [0] * num_cache_blocks  # ``table`` as a list, for the host's checks
         self._is_cached = is_cached
         self._holders = [0] * num_cache_blocks
         self._owner: dict[int, int] = {}  # token block -> the cache block whose rows it holds
@@ -62,16 +63,16 @@ class TokenRowBlocks:
 
     def has_rows(self, block: int) -> bool:
         """Whether cache block ``block``'s token rows are still kept."""
-        return bool(self.table[block])
+        return self._token_block[block] != 0
 
     def num_available_among(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks``' kept rows sit unheld (holding them shrinks the pool)."""
-        return sum(1 for b in blocks if self._holders[b] == 0 and self.table[b])
+        return sum(1 for b in blocks if self._holders[b] == 0 and self._token_block[b])
 
     def hold(self, blocks: Sequence[int]) -> None:
         """Take a hold on the kept token rows of ``blocks`` (a prefix hit's)."""
         for block in blocks:
-            token_block = int(self.table[block])
+            token_block = self._token_block[block]
             if not token_block:
                 raise RuntimeError(f"cache block {block} keeps no token rows to hold")
             if self._holders[block] == 0:
@@ -82,7 +83,7 @@ class TokenRowBlocks:
         """Token blocks for fresh cache ``blocks`` (just allocated: no rows kept), dropping
         the oldest released rows if need be."""
         for block in blocks:
-            if self.table[block] or self._holders[block]:
+            if self._token_block[block] or self._holders[block]:
                 raise RuntimeError(f"cache block {block} already has token rows")
         if len(blocks) > len(self._free):
             raise RuntimeError(f"asked for {len(blocks)} token blocks, {len(self._free)} free")
@@ -90,9 +91,9 @@ class TokenRowBlocks:
             token_block, _ = self._free.popitem(last=False)
             previous = self._owner.pop(token_block, None)
             if previous is not None:
-                self.table[previous] = 0
+                self._map(previous, 0)
             self._owner[token_block] = block
-            self.table[block] = token_block
+            self._map(block, token_block)
             self._holders[block] = 1
 
     def release(self, blocks: Sequence[int]) -> None:
@@ -102,21 +103,25 @@ class TokenRowBlocks:
                 raise RuntimeError(f"token rows of cache block {block} released more than held")
             self._holders[block] -= 1
             if self._holders[block] == 0:
-                token_block = int(self.table[block])
+                token_block = self._token_block[block]
                 self._free[token_block] = None
                 if not self._is_cached(block):  # no later request can want them
                     self._free.move_to_end(token_block, last=False)
 
     def forget(self, block: int) -> None:
         """Cache block ``block`` is handed out afresh: its old token rows are void."""
-        token_block = int(self.table[block])
+        token_block = self._token_block[block]
         if not token_block:
             return
         if self._holders[block]:
             raise RuntimeError(f"cache block {block} is reused while its token rows are held")
         del self._owner[token_block]
-        self.table[block] = 0
+        self._map(block, 0)
         self._free.move_to_end(token_block, last=False)
+
+    def _map(self, block: int, token_block: int) -> None:
+        self.table[block] = token_block
+        self._token_block[block] = token_block
 
 
 def cache_block_counts(
