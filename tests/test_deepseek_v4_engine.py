@@ -136,8 +136,9 @@ def test_token_rows_past_the_window_are_dropped(hf_model, checkpoint, compiled):
     """Two sequences at a time, each holding its token rows from its first read on (the model
     reads at most 15 tokens back: 2 blocks of 8, plus the blocks of the step): 14 token blocks
     for 160 cache blocks, whatever the prompts' lengths. Sent again after the others, the 290-
-    token prompt still finds its last blocks' token rows (a full hit) and the 130-token one,
-    whose rows the later prompts took, reuses none: both draw the same tokens."""
+    token prompt still finds its last blocks' token rows (a full hit); the 130-token one,
+    whose rows the later prompts took, reuses none; its recomputed blocks keep their rows and
+    take the prefix over, so sent a third time it hits again. Every time the same tokens."""
     prompts = _prompts([1, 5, 23, 64, 130, 290], seed=0)
     llm = _llm(
         checkpoint, compiled, block_size=8, num_kv_blocks=160, max_num_batched_tokens=37,
@@ -153,13 +154,13 @@ def test_token_rows_past_the_window_are_dropped(hf_model, checkpoint, compiled):
     outputs = _generate(llm, prompts)
     _check(hf_model, prompts, outputs)
     assert 8 <= peak[0] <= 13  # both sequences hold rows; never all 290 tokens' 37 blocks
-    again = prompts[-2:]
-    before = engine.stats.prefix_cache_hit_tokens
-    repeated = _generate(llm, again)
-    assert engine.stats.prefix_cache_hit_tokens - before == 289
-    assert [o.outputs[0].token_ids for o in repeated] == [
-        o.outputs[0].token_ids for o in outputs[-2:]
-    ]
+    hits = []
+    for i in (5, 4, 4):  # the 290-token prompt, then the 130-token one twice
+        before = engine.stats.prefix_cache_hit_tokens
+        (again,) = _generate(llm, [prompts[i]])
+        hits.append(engine.stats.prefix_cache_hit_tokens - before)
+        assert again.outputs[0].token_ids == outputs[i].outputs[0].token_ids
+    assert hits == [289, 0, 129]
     assert engine.token_rows.num_held == 0 and llm.get_metrics()["token_rows_usage"] == 0.0
 
 
@@ -182,6 +183,23 @@ def test_few_token_blocks_make_requests_wait_and_preempt(hf_model, checkpoint, c
     outputs = _generate(llm, prompts, max_tokens=24)
     assert llm.engine.stats.num_preemptions > 0
     _check(hf_model, prompts, outputs)
+
+
+def test_without_chunked_prefill_a_prompt_needing_more_token_rows_is_refused(hf_model, checkpoint):
+    """A whole prompt is one step without chunked prefill: its rows from position 0 must fit
+    the token blocks, or the request is refused up front (it would wait forever)."""
+    cfg = DeepseekV4Config.from_hf_dict(load_hf_config_dict(checkpoint))
+    kinds = zip(cfg.cache_block_shapes(8), cfg.token_caches(), strict=True)
+    token_block_bytes = 8 * sum(w for (_, w), token in kinds if token) * 4
+    llm = _llm(
+        checkpoint, block_size=8, enable_chunked_prefill=False, max_num_batched_tokens=37,
+        kv_cache_memory=2 * 10 * token_block_bytes,
+    )  # fmt: skip
+    assert llm.engine.token_rows is not None and llm.engine.token_rows.num_blocks == 10
+    long, short = _prompts([64, 40], seed=7)
+    with pytest.raises(ValueError, match="needs 10 token-row blocks at once .* only 9"):
+        _generate(llm, [long])
+    _check(hf_model, [short], _generate(llm, [short]))
 
 
 @PATHS

@@ -157,6 +157,9 @@ def test_cache_block_counts_split_the_memory_between_token_rows_and_pools():
         blocks, got = cache_block_counts(cfg, options, "float32", 512)
         assert got == tokens, memory
         assert blocks <= 4 * 512 // 8 + 1  # what 4 sequences of 512 tokens fill at most
+    # without chunked prefill a whole prompt is one step: as many as half the memory holds
+    whole = dict(limits, enable_chunked_prefill=False, kv_cache_memory=2 * 20 * token_bytes)
+    assert cache_block_counts(cfg, ServingOptions(**whole), "float32", 131072)[1] == 20
     given = ServingOptions(block_size=8, num_kv_blocks=12)
     assert cache_block_counts(cfg, given, "float32", 512) == (12, 12)
     tight = ServingOptions(block_size=8, kv_cache_memory=1 << 20)  # steps of 2048 tokens
@@ -166,6 +169,44 @@ def test_cache_block_counts_split_the_memory_between_token_rows_and_pools():
 
 def _request(rid: str, prompt: list[int], max_tokens: int) -> Request:
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), RequestMetrics(0.0))
+
+
+def _serve(scheduler: Scheduler, request: Request) -> int:
+    """Run ``request`` alone to its end (the engine's bookkeeping, no model); its hit tokens."""
+    scheduler.add(request)
+    before = scheduler.stats.prefix_cache_hit_tokens
+    while scheduler.has_unfinished():
+        for seq in scheduler.schedule():
+            r = seq.request
+            r.num_computed_tokens = seq.end
+            scheduler.register_computed_blocks(r)
+            if seq.samples:
+                r.output_token_ids.append(3)
+                if len(r.output_token_ids) == r.params.max_tokens:
+                    scheduler.finish(r)
+    return scheduler.stats.prefix_cache_hit_tokens - before
+
+
+def test_a_prefix_recomputed_after_its_rows_were_dropped_is_reusable_again():
+    """A's prompt is cached, then other traffic takes every token block: B, with the same
+    prompt, finds the blocks but not the token rows its next step reads, so it reuses none
+    and recomputes them; B's blocks, which keep their rows, take the keys over from A's, so C
+    hits again (and its last step's rows are the ones kept longest)."""
+    cfg = CONFIGS["tiny"]
+    blocks = BlockManager(64)
+    token_rows = TokenRowBlocks(12, 64, blocks.is_cached)
+    blocks.on_reuse, blocks.replaces = token_rows.forget, token_rows.replaces
+    scheduler = Scheduler(
+        blocks, EngineStats(), block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+        copy_rows=lambda src, dst, rows: None, token_rows=token_rows,
+        first_read=cfg.first_token_row_read,
+    )  # fmt: skip
+    prompt = list(range(33))
+    assert _serve(scheduler, _request("a", prompt, 2)) == 0
+    assert _serve(scheduler, _request("a again", prompt, 2)) == 32  # rows still kept
+    assert _serve(scheduler, _request("other", list(range(50, 100)), 2)) == 0
+    assert _serve(scheduler, _request("b", prompt, 2)) == 0  # A's rows are gone
+    assert _serve(scheduler, _request("c", prompt, 2)) == 32
 
 
 @pytest.mark.parametrize(("block_size", "num_token_blocks"), [(4, 16), (8, 9), (16, 6)])
@@ -179,7 +220,7 @@ def test_random_traffic_reads_only_held_token_rows_of_its_own(block_size, num_to
     rng = random.Random(block_size * 100 + num_token_blocks)
     blocks = BlockManager(40)
     token_rows = TokenRowBlocks(num_token_blocks, 40, blocks.is_cached)
-    blocks.on_reuse = token_rows.forget
+    blocks.on_reuse, blocks.replaces = token_rows.forget, token_rows.replaces
     scheduler = Scheduler(
         blocks, EngineStats(), block_size=block_size, max_num_seqs=4, max_num_batched_tokens=12,
         token_rows=token_rows, first_read=cfg.first_token_row_read,

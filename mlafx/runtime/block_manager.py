@@ -53,6 +53,10 @@ class BlockManager:
         self._by_first: dict[tuple[BlockHash | None, int], set[int]] = {}
         # told of each block handed out afresh (its old rows void): ``TokenRowBlocks.forget``
         self.on_reuse: Callable[[int], None] | None = None
+        # ``replaces(holder, block)``: whether ``block`` should take over the key or offered
+        # rows that ``holder`` has (DeepSeek-V4: ``holder`` lost the token rows a hit reads,
+        # ``block`` has them), instead of leaving them with ``holder``
+        self.replaces: Callable[[int, int], bool] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -110,11 +114,16 @@ class BlockManager:
         tokens: Sequence[int] | None = None,
     ) -> None:
         """Record that ``block`` (in use, all rows computed) holds the prefix ``key``. A key
-        already held by another block keeps that block; this one stays unregistered.
-        ``parent`` (the previous block's key) and ``tokens`` (the block's) also offer its
-        leading rows to partial hits."""
-        if not self.enable_prefix_caching or block in self._key_of or key in self._block_of:
+        already held by another block keeps that block (this one stays unregistered) unless
+        ``replaces`` says this one should take it over. ``parent`` (the previous block's
+        key) and ``tokens`` (the block's) also offer its leading rows to partial hits."""
+        if not self.enable_prefix_caching or block in self._key_of:
             return
+        holder = self._block_of.get(key)
+        if holder is not None:
+            if self.replaces is None or not self.replaces(holder, block):
+                return
+            self._unregister(holder)
         self._key_of[block] = key
         self._block_of[key] = block
         if tokens is not None:
@@ -124,7 +133,7 @@ class BlockManager:
         """Offer the computed rows of ``block`` (in use) to partial hits: they hold
         ``tokens``, following the prefix ``parent`` (None: the block starts the sequence).
         Called again as its holder computes more rows; rows another block already offers
-        are not offered twice."""
+        are not offered twice (unless ``replaces`` says this block's offer is the better)."""
         if not self.enable_prefix_caching or not tokens:
             return
         held = tuple(tokens)
@@ -132,8 +141,13 @@ class BlockManager:
             return
         self._forget_rows(block)
         first = (parent, held[0])
-        if any(self._rows_of[b][1][: len(held)] == held for b in self._by_first.get(first, ())):
-            return
+        for peer in list(self._by_first.get(first, ())):
+            if self._rows_of[peer][1][: len(held)] != held:
+                continue
+            if self.replaces is None or not self.replaces(peer, block):
+                return
+            self._forget_rows(peer)  # this block offers the same rows, and better
+            self._requeue_if_uncached(peer)
         self._rows_of[block] = (parent, held)
         self._by_first.setdefault(first, set()).add(block)
 
@@ -152,6 +166,17 @@ class BlockManager:
             if rows > best_rows or (rows == best_rows and block < best):
                 best, best_rows = block, rows
         return best, best_rows
+
+    def _unregister(self, block: int) -> None:
+        """``block`` no longer holds its key or offers rows; free, it goes first to reuse."""
+        del self._block_of[self._key_of.pop(block)]
+        self._forget_rows(block)
+        self._requeue_if_uncached(block)
+
+    def _requeue_if_uncached(self, block: int) -> None:
+        """A free block that no longer holds anything reusable goes first to reuse."""
+        if self._ref_counts[block] == 0 and not self.is_cached(block):
+            self._free.move_to_end(block, last=False)
 
     def _forget_rows(self, block: int) -> None:
         entry = self._rows_of.pop(block, None)

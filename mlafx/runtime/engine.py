@@ -55,7 +55,11 @@ from mlafx.runtime.step_source import (
     split_options,
     transformers_source,
 )
-from mlafx.runtime.token_rows import cache_block_counts, keeps_token_rows_apart
+from mlafx.runtime.token_rows import (
+    cache_block_counts,
+    keeps_token_rows_apart,
+    token_blocks_for_lifetime,
+)
 
 log = logging.getLogger(__name__)
 
@@ -474,6 +478,16 @@ class LLM:
                 f"new tokens) but the cache has only {usable}: raise num_kv_blocks / "
                 "kv_cache_memory or lower max_tokens"
             )
+        rows = self.engine.token_rows
+        if rows is not None and not self.engine.scheduler.enable_chunked_prefill:
+            held = token_blocks_for_lifetime(needed)
+            if held > rows.num_blocks - 1:
+                raise ValueError(
+                    f"prompt {index} needs {held} token-row blocks at once ({len(ids)} prompt + "
+                    f"{params.max_tokens} new tokens computed in one step without chunked "
+                    f"prefill) but the cache has only {rows.num_blocks - 1}: enable chunked "
+                    "prefill, raise kv_cache_memory or lower max_tokens"
+                )
         number = next(self._request_counter)
         generator = None
         if not params.greedy:

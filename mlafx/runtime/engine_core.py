@@ -92,6 +92,7 @@ class EngineCore:
             self.token_rows = TokenRowBlocks(num_token_blocks, num_blocks, self.blocks.is_cached)
             self.token_caches, first_read = config.token_caches(), config.first_token_row_read
             self.blocks.on_reuse = self.token_rows.forget
+            self.blocks.replaces = self.token_rows.replaces
             step_fn.bind_token_blocks(self.token_rows.table)  # type: ignore[attr-defined]
         self.kv_caches = [
             torch.zeros(

@@ -96,9 +96,17 @@ class TokenRowBlocks:
             self._map(block, token_block)
             self._holders[block] = 1
 
+    def replaces(self, holder: int, block: int) -> bool:
+        """Whether ``block`` should take over the prefix key (or offered rows) of ``holder``
+        (``BlockManager.replaces``): ``holder`` lost its token rows, ``block`` keeps its own.
+        Else a prefix recomputed after its rows were dropped would never be reusable again."""
+        return not self.has_rows(holder) and self.has_rows(block)
+
     def release(self, blocks: Sequence[int]) -> None:
-        """Drop one hold on the token rows of each of ``blocks`` (in position order)."""
-        for block in reversed(blocks):
+        """Drop one hold on the token rows of each of ``blocks`` (in position order: the
+        earlier rows are dropped first, the last ones, which a hit on the whole sequence
+        reads, last)."""
+        for block in blocks:
             if self._holders[block] <= 0:
                 raise RuntimeError(f"token rows of cache block {block} released more than held")
             self._holders[block] -= 1
@@ -127,13 +135,15 @@ class TokenRowBlocks:
 def cache_block_counts(
     cfg: DeepseekV4Config, options: ServingOptions, dtype: str, max_model_len: int
 ) -> tuple[int, int]:
-    """(cache blocks, token blocks) of a V4 engine keeping token rows apart: the token blocks
-        hold every running sequence's rows from its first read on (``max_num_seqs`` of them, and a
-        step's new tokens) but take at most half of ``kv_cache_memory``, never fewer than one
-        sequence's longest step needs (a whole prompt without chunked prefill); the cache blocks
-        (the pools, tiny per token) get the rest (at most as many as ``max_num_seqs`` sequences
-    of ``max_model_len`` fill). With ``num_kv_blocks`` given, that many cache
-        blocks and at most as many token blocks."""
+    """(cache blocks, token blocks) of a V4 engine keeping token rows apart. The token blocks
+    hold every running sequence's rows from its first read on (``max_num_seqs`` of them, and a
+    step's new tokens; without chunked prefill, a whole ``max_model_len`` prompt) but take at
+    most half of ``kv_cache_memory``, never fewer than one sequence's chunk of
+    ``max_num_batched_tokens`` needs (without chunked prefill the engine refuses a request
+    whose whole prompt would need more: ``token_blocks_for_lifetime``). The cache blocks (the
+    pools, tiny per token) get the rest, at most as many as ``max_num_seqs`` sequences of
+    ``max_model_len`` fill. With ``num_kv_blocks`` given, that many cache blocks and at most
+    as many token blocks."""
     bs = options.block_size
     size = dtype_bytes(dtype)
     shapes = cfg.cache_block_shapes(bs)
@@ -141,9 +151,11 @@ def cache_block_counts(
     token_bytes = sum(r * w for (r, w), token in zip(shapes, kinds, strict=True) if token) * size
     pool_bytes = sum(r * w for (r, w), token in zip(shapes, kinds, strict=True) if not token) * size
     lookback = -(-cfg.token_row_lookback // bs)
-    span = options.max_num_batched_tokens if options.enable_chunked_prefill else max_model_len
-    least = -(-(span + cfg.token_row_lookback) // bs) + 3  # + the reserved block 0
-    wanted = options.max_num_seqs * (lookback + 2) + -(-options.max_num_batched_tokens // bs) + 1
+    chunk = options.max_num_batched_tokens
+    least = -(-(chunk + cfg.token_row_lookback) // bs) + 3  # + the reserved block 0
+    wanted = options.max_num_seqs * (lookback + 2) + -(-chunk // bs) + 1
+    if not options.enable_chunked_prefill:  # a whole prompt (or a recompute) is one step
+        wanted = max(wanted, -(-max_model_len // bs) + 2)
     if options.num_kv_blocks is not None:
         blocks = options.num_blocks(cfg, dtype)
         return blocks, min(blocks, max(least, wanted))
@@ -159,6 +171,13 @@ def cache_block_counts(
             f"({tokens * token_bytes / 2**20:.1f} MiB); at least 2 are needed: raise it"
         )
     return int(blocks), int(min(tokens, blocks))
+
+
+def token_blocks_for_lifetime(cache_blocks: int) -> int:
+    """Token blocks a request computing all its ``cache_blocks`` in one step holds at once
+    (prefill or recompute without chunking: its rows from position 0, and a partial hit's
+    source block while its rows are copied)."""
+    return cache_blocks + 1
 
 
 def keeps_token_rows_apart(config: object, step_fn: object, kv_connector: object) -> bool:
