@@ -21,6 +21,8 @@ from v4_checkpoints import WIDTHS, write_deepseek_checkpoint, write_dequantized_
 from mlafx import LLM, SamplingParams
 from mlafx.config.deepseek_v4 import DeepseekV4Config
 from mlafx.config.model_config import load_hf_config_dict
+from mlafx.runtime.block_hash import cache_fingerprint, full_block_hashes
+from mlafx.runtime.kv_connector import make_connector
 
 TOL = 1e-4
 
@@ -216,6 +218,52 @@ def test_a_kv_store_reload_in_a_new_engine(hf_model, checkpoint, tmp_path, compi
     _check(hf_model, [longer], _generate(second, [longer]))
     assert second.engine.stats.external_hit_tokens == 256
     second.close()
+
+
+@PATHS
+def test_a_kv_store_with_token_rows_released_as_chunks_are_saved(
+    hf_model, checkpoint, tmp_path, compiled
+):
+    """With a KV store, each whole chunk of a prompt (128 tokens: 16 blocks of 8) is saved as
+    soon as it is computed, its token rows kept until then: one sequence at a time, 26 token
+    blocks serve a 400-token prompt of 50 blocks. A fresh engine loads the three chunks (token
+    rows only where its first step reads them); with the second chunk corrupt, the load falls
+    short and the request is served from nothing, its tokens unchanged."""
+    (prompt,) = _prompts([400], seed=8)
+    store = tmp_path / "store"
+    cfg = DeepseekV4Config.from_hf_dict(load_hf_config_dict(checkpoint))
+    fingerprint = cache_fingerprint(cfg, "float32", 8)
+
+    def engine() -> LLM:
+        connector = make_connector(f"disk:{store}", fingerprint, 8, chunk_tokens=128)
+        return _llm(
+            checkpoint, compiled, block_size=8, num_kv_blocks=200, max_num_seqs=1,
+            max_num_batched_tokens=37, kv_connector=connector,
+        )  # fmt: skip
+
+    first = engine()
+    assert first.engine.token_rows is not None and first.engine.token_rows.num_blocks == 26
+    peak = _peak_token_blocks(first)
+    _generate(first, [prompt])
+    assert peak[0] <= 25 and first.engine.token_rows.num_held == 0
+    first.close()
+    keys = full_block_hashes(prompt, 8)
+    names = [f"{keys[c * 16 + 15].hex()}.c16.safetensors" for c in range(3)]
+    chunks = [next(store.glob(f"*/{name}")) for name in names]
+    longer = prompt + [11, 12, 13]
+    second = engine()
+    loaded = _generate(second, [longer])
+    assert second.engine.stats.external_hit_tokens == 384
+    _check(hf_model, [longer], loaded)
+    second.close()
+    data = bytearray(chunks[1].read_bytes())
+    data[-7] ^= 0x01  # one bit of the last cache's rows
+    chunks[1].write_bytes(bytes(data))
+    third = engine()
+    (again,) = _generate(third, [longer])
+    assert third.engine.stats.external_hit_tokens == 0
+    assert again.outputs[0].token_ids == loaded[0].outputs[0].token_ids
+    third.close()
 
 
 @PATHS

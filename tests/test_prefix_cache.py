@@ -46,7 +46,8 @@ class InMemoryConnector(KVConnector):
                 cache[block_ids[i]] = rows
         return loadable
 
-    def save(self, keys, caches, block_ids) -> None:
+    def save(self, keys, caches, block_ids, first=0) -> None:
+        assert first == 0  # an MLA engine saves a prompt's blocks at once
         self.saves += 1
         for key, block in zip(keys, block_ids, strict=True):
             self.blocks.setdefault(key, [cache[block].clone() for cache in caches])

@@ -107,7 +107,9 @@ class EngineCore:
         # under TP the driver's threads wait for the workers': its step time covers theirs
         self.slowdown = StepSlowdownMonitor(threads=torch.get_num_threads)
         self.kv_transfer = (
-            None if kv_connector is None else KVTransfer(kv_connector, self.kv_caches)
+            None
+            if kv_connector is None
+            else KVTransfer(kv_connector, self.kv_caches, self.token_rows, self.token_caches)
         )
         self.scheduler = Scheduler(
             self.blocks,

@@ -28,6 +28,11 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens not computed (prefix hits + external loads)
     admitted: bool = False  # scheduled at least once (a preempted request stays True)
     prompt_saved: bool = False  # full prompt blocks handed to the KV connector
+    # DeepSeek-V4's token rows apart: leading prompt blocks handed to the KV connector (whole
+    # chunks, saved as computed), and whether a load from it fell short (then the next
+    # admission reads the local cache alone)
+    num_saved_blocks: int = 0
+    external_miss: bool = False
     finish_reason: str | None = None
     error: str | None = None  # why it failed (finish_reason "error")
     # params.prompt_logprobs: per prompt token so far, top-k ids -> logprob (first: None)

@@ -100,12 +100,10 @@ class Scheduler:
         """``copy_rows(src, dst, rows)`` copies the first ``rows`` cache rows of block
         ``src`` into block ``dst`` in every layer; without it there are no partial hits.
         ``token_rows``: token rows in blocks of their own, a request's held from
-        ``first_read(next position)`` on (``DeepseekV4Config.first_token_row_read``); not with
-        a KV connector."""
+        ``first_read(next position)`` on (``DeepseekV4Config.first_token_row_read``), and
+        with a KV connector until the prompt chunk they are in is saved."""
         if (token_rows is None) != (first_read is None):
             raise ValueError("token_rows and first_read go together")
-        if token_rows is not None and kv_transfer is not None:
-            raise ValueError("token rows in blocks of their own do not work with a KV connector")
         self.blocks = blocks
         self.stats = stats
         self.block_size = block_size
@@ -188,9 +186,16 @@ class Scheduler:
         return 0 if self.first_read is None else self.first_read(start) // self.block_size
 
     def _release_token_rows(self, request: Request, first: int) -> None:
-        """Release ``request``'s token rows of blocks before ``first``."""
+        """Release ``request``'s token rows of blocks before ``first`` (with a KV connector,
+        not those of prompt chunks still to be saved)."""
+        if self.token_rows is None:
+            return
+        if self.kv_transfer is not None and request.num_saved_blocks < self._whole_chunks(
+            request.num_prompt_tokens // self.block_size
+        ):
+            first = min(first, request.num_saved_blocks)
         first = min(first, len(request.blocks))
-        if self.token_rows is not None and first > request.token_rows_from:
+        if first > request.token_rows_from:
             self.token_rows.release(request.blocks[request.token_rows_from : first])
             request.token_rows_from = first
 
@@ -226,7 +231,7 @@ class Scheduler:
         hits = self.blocks.lookup(keys)
         hits = hits[: self._readable_hits(hits)]
         num_external = 0
-        if self.kv_transfer is not None and len(hits) < len(keys):
+        if self.kv_transfer is not None and len(hits) < len(keys) and not request.external_miss:
             num_external = max(self.kv_transfer.lookup(keys) - len(hits), 0)
         partial = reuse and not num_external
         source, rows = self._partial_hit(request, keys, len(hits)) if partial else (0, 0)
@@ -242,8 +247,10 @@ class Scheduler:
             return None
         first_token_block = self._first_token_block(start)
         token_held = held[first_token_block:]  # those of hits (and the source) it reads
+        rows_from = max(first_token_block, len(hits))  # new blocks with token rows of their own
         if self.token_rows is not None and (
-            needed + self.token_rows.num_available_among(token_held) > self.token_rows.num_available
+            -(-end // bs) - rows_from + self.token_rows.num_available_among(token_held)
+            > self.token_rows.num_available
         ):
             return None
         self.blocks.touch(held)
@@ -252,7 +259,8 @@ class Scheduler:
         request.blocks = hits + self.blocks.allocate(needed)
         request.token_rows_from = first_token_block
         if self.token_rows is not None:
-            self.token_rows.allocate(request.blocks[len(hits) :])
+            # blocks loaded from the store before the first read get no token rows
+            self.token_rows.allocate(request.blocks[rows_from:])
         if rows:
             assert self.copy_rows is not None  # partial-block hits need it
             self.copy_rows(source, request.blocks[len(hits)], rows)
@@ -267,6 +275,12 @@ class Scheduler:
             )
             for block, key in zip(external_blocks[:loaded], keys[len(hits) :], strict=False):
                 self.blocks.register(block, key)
+            if loaded < num_external and self.token_rows is not None:
+                # its token rows were loaded only where the whole load's first step reads
+                # them: give everything back and be admitted from the local cache alone
+                request.external_miss = True
+                self._free_blocks(request)
+                return self._admit(request, budget, alone=alone)
             if loaded < num_external:  # a partial miss: compute the rest from there
                 num_external = loaded
                 start = (len(hits) + loaded) * bs
@@ -333,8 +347,29 @@ class Scheduler:
             tokens = request.token_ids(full * bs, request.num_computed_tokens)
             self.blocks.register_rows(request.blocks[full], keys[-1] if full else None, tokens)
 
+    def _whole_chunks(self, blocks: int) -> int:
+        """The leading ``blocks`` in whole KV-connector chunks."""
+        assert self.kv_transfer is not None
+        chunk = self.kv_transfer.connector.chunk_blocks
+        return blocks // chunk * chunk
+
     def save_prompt(self, request: Request) -> None:
-        """Hand a fully computed prompt's full blocks to the KV connector (once)."""
+        """Hand a fully computed prompt's full blocks to the KV connector (once). With token
+        rows in blocks of their own, each whole chunk of the prompt as soon as it is computed,
+        while its blocks keep their rows (a chunk whose rows are already gone, made of
+        prefix hits, is skipped: it costs later hits, not this request)."""
+        if self.kv_transfer is not None and self.token_rows is not None:
+            bs = self.block_size
+            computed = min(request.num_computed_tokens, request.num_prompt_tokens) // bs
+            whole = self._whole_chunks(computed)
+            chunk = self.kv_transfer.connector.chunk_blocks
+            while request.num_saved_blocks < whole:
+                first = request.num_saved_blocks
+                blocks = request.blocks[first : first + chunk]
+                if all(self.token_rows.has_rows(b) for b in blocks):
+                    self.kv_transfer.save(request.block_keys(bs, first + chunk), blocks, first)
+                request.num_saved_blocks = first + chunk
+            return
         if (
             self.kv_transfer is None
             or request.prompt_saved

@@ -61,6 +61,10 @@ class TokenRowBlocks:
     def num_held(self) -> int:
         return self.num_blocks - 1 - len(self._free)
 
+    def token_block(self, block: int) -> int:
+        """The token block holding cache block ``block``'s rows (0: none kept)."""
+        return self._token_block[block]
+
     def has_rows(self, block: int) -> bool:
         """Whether cache block ``block``'s token rows are still kept."""
         return self._token_block[block] != 0
@@ -133,7 +137,11 @@ class TokenRowBlocks:
 
 
 def cache_block_counts(
-    cfg: DeepseekV4Config, options: ServingOptions, dtype: str, max_model_len: int
+    cfg: DeepseekV4Config,
+    options: ServingOptions,
+    dtype: str,
+    max_model_len: int,
+    save_blocks: int = 0,
 ) -> tuple[int, int]:
     """(cache blocks, token blocks) of a V4 engine keeping token rows apart. The token blocks
     hold every running sequence's rows from its first read on (``max_num_seqs`` of them, and a
@@ -143,7 +151,8 @@ def cache_block_counts(
     whose whole prompt would need more: ``token_blocks_for_lifetime``). The cache blocks (the
     pools, tiny per token) get the rest, at most as many as ``max_num_seqs`` sequences of
     ``max_model_len`` fill. With ``num_kv_blocks`` given, that many cache blocks and at most
-    as many token blocks."""
+    as many token blocks. ``save_blocks``: a KV connector's chunk, whose rows each sequence
+    keeps until the chunk is saved."""
     bs = options.block_size
     size = dtype_bytes(dtype)
     shapes = cfg.cache_block_shapes(bs)
@@ -152,8 +161,8 @@ def cache_block_counts(
     pool_bytes = sum(r * w for (r, w), token in zip(shapes, kinds, strict=True) if not token) * size
     lookback = -(-cfg.token_row_lookback // bs)
     chunk = options.max_num_batched_tokens
-    least = -(-(chunk + cfg.token_row_lookback) // bs) + 3  # + the reserved block 0
-    wanted = options.max_num_seqs * (lookback + 2) + -(-chunk // bs) + 1
+    least = -(-(chunk + cfg.token_row_lookback) // bs) + 3 + save_blocks  # + reserved block 0
+    wanted = options.max_num_seqs * (lookback + 2 + save_blocks) + -(-chunk // bs) + 1
     if not options.enable_chunked_prefill:  # a whole prompt (or a recompute) is one step
         wanted = max(wanted, -(-max_model_len // bs) + 2)
     if options.num_kv_blocks is not None:
@@ -180,12 +189,7 @@ def token_blocks_for_lifetime(cache_blocks: int) -> int:
     return cache_blocks + 1
 
 
-def keeps_token_rows_apart(config: object, step_fn: object, kv_connector: object) -> bool:
+def keeps_token_rows_apart(config: object, step_fn: object) -> bool:
     """Whether an engine keeps token rows in blocks of their own: a DeepSeek-V4 model whose
-    step reads them through a token-block map (``bind_token_blocks``), without a KV connector
-    (a stored chunk holds every cache's rows of its blocks, so there they stay whole)."""
-    return (
-        isinstance(config, DeepseekV4Config)
-        and kv_connector is None
-        and hasattr(step_fn, "bind_token_blocks")
-    )
+    step reads them through a token-block map (``bind_token_blocks``)."""
+    return isinstance(config, DeepseekV4Config) and hasattr(step_fn, "bind_token_blocks")

@@ -11,20 +11,39 @@ The engine calls, for a new request's prompt with full-block keys ``keys``:
       prompt into the engine's cache blocks ``block_ids`` (``block_ids[i]`` receives key
       ``keys[first + i]``); returns how many of them it loaded (a leading run). A corrupt,
       truncated or vanished entry ends the run with a warning: a miss, never wrong data;
-  ``save(keys, caches, block_ids)``  once the prompt's rows are computed: stores every
-      whole chunk not yet stored (``block_ids[i]`` holds key ``keys[i]``).
+  ``save(keys, caches, block_ids, first=0)``  once the prompt's rows are computed (DeepSeek-V4
+      with its token rows apart: each whole chunk as soon as it is, ``first`` its first
+      block): stores every whole chunk from block ``first`` on not yet stored
+      (``block_ids[i]`` holds key ``keys[first + i]``; ``first`` is a chunk boundary).
+``block_ids`` is one list for every cache, or one list per cache (``per_cache``): DeepSeek-V4's
+token caches keep their rows in blocks of their own (``runtime/token_rows.py``); a block whose
+token rows are not wanted is loaded into the reserved token block 0, never read.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
 from mlafx.runtime.block_hash import BlockHash
 
 DEFAULT_CHUNK_TOKENS = 256
+
+# one id list for every cache, or one per cache
+BlockIds = Sequence[int] | Sequence[Sequence[int]]
+
+
+def per_cache(block_ids: BlockIds, num_caches: int) -> list[Sequence[int]]:
+    """``block_ids`` as one id list per cache (a single list serves every cache)."""
+    if block_ids and not isinstance(block_ids[0], int):
+        lists = [cast(Sequence[int], ids) for ids in block_ids]
+        if len(lists) != num_caches:
+            raise ValueError(f"{len(lists)} block id lists for {num_caches} caches")
+        return lists
+    return [cast(Sequence[int], block_ids)] * num_caches
 
 
 class KVConnectorError(RuntimeError):
@@ -47,12 +66,16 @@ class KVConnector(ABC):
         keys: Sequence[BlockHash],
         first: int,
         caches: list[torch.Tensor],
-        block_ids: Sequence[int],
+        block_ids: BlockIds,
     ) -> int: ...
 
     @abstractmethod
     def save(
-        self, keys: Sequence[BlockHash], caches: list[torch.Tensor], block_ids: Sequence[int]
+        self,
+        keys: Sequence[BlockHash],
+        caches: list[torch.Tensor],
+        block_ids: BlockIds,
+        first: int = 0,
     ) -> None: ...
 
     def close(self) -> None:  # noqa: B027  (optional hook)

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from mlafx.runtime.block_hash import BlockHash
-from mlafx.runtime.kv_connector.base import KVConnector
+from mlafx.runtime.kv_connector.base import BlockIds, KVConnector, per_cache
 from mlafx.runtime.kv_connector.chunk_codec import (
     ChunkDecodeError,
     ChunkSpec,
@@ -68,15 +68,17 @@ class StoreConnector(KVConnector):
         keys: Sequence[BlockHash],
         first: int,
         caches: list[torch.Tensor],
-        block_ids: Sequence[int],
+        block_ids: BlockIds,
     ) -> int:
         if not 0 <= first <= len(keys):
             raise ValueError(f"first={first} is outside the {len(keys)} keys")
-        if len(block_ids) != len(keys) - first:
-            raise ValueError(
-                f"{len(block_ids)} block ids for {len(keys) - first} blocks (keys[{first}:])"
-            )
         self._check_caches(caches)
+        ids = per_cache(block_ids, len(caches))
+        if any(len(own) != len(keys) - first for own in ids):
+            raise ValueError(
+                f"{[len(own) for own in ids]} block ids for {len(keys) - first} blocks "
+                f"(keys[{first}:])"
+            )
         cb = self.chunk_blocks
         loaded = 0
         for chunk in range(first // cb, len(keys) // cb):
@@ -93,28 +95,38 @@ class StoreConnector(KVConnector):
                 self.store.discard(name)
                 break
             skip = max(first - chunk * cb, 0)  # blocks of this chunk before `first`
-            dst = torch.tensor(block_ids[loaded : loaded + cb - skip], dtype=torch.int64)
-            for cache, rows in zip(caches, layers, strict=True):
+            for cache, own, rows in zip(caches, ids, layers, strict=True):
+                dst = torch.tensor(own[loaded : loaded + cb - skip], dtype=torch.int64)
                 cache.index_copy_(0, dst, rows[skip:])
             loaded += cb - skip
         return loaded
 
     def save(
-        self, keys: Sequence[BlockHash], caches: list[torch.Tensor], block_ids: Sequence[int]
+        self,
+        keys: Sequence[BlockHash],
+        caches: list[torch.Tensor],
+        block_ids: BlockIds,
+        first: int = 0,
     ) -> None:
-        if len(block_ids) != len(keys):
-            raise ValueError(f"{len(block_ids)} block ids for {len(keys)} keys")
-        self._check_caches(caches)
         cb = self.chunk_blocks
-        names = self.chunk_names(keys)
-        for chunk, (name, present) in enumerate(zip(names, self.store.exists(names), strict=True)):
-            if present:
+        if not 0 <= first <= len(keys) or first % cb:
+            raise ValueError(f"first={first}: not a chunk boundary within the {len(keys)} keys")
+        self._check_caches(caches)
+        ids = per_cache(block_ids, len(caches))
+        if any(len(own) != len(keys) - first for own in ids):
+            raise ValueError(f"{[len(own) for own in ids]} block ids for {len(keys) - first} keys")
+        names = self.chunk_names(keys)[first // cb :]
+        present = self.store.exists(names)
+        for chunk, (name, stored) in enumerate(zip(names, present, strict=True), first // cb):
+            if stored:
                 continue
-            src = torch.tensor(block_ids[chunk * cb : (chunk + 1) * cb], dtype=torch.int64)
             spec = self._spec(keys[(chunk + 1) * cb - 1], caches)
-            self.store.put(
-                name, encode_chunk(spec, [cache.index_select(0, src) for cache in caches])
-            )
+            rows = []
+            for cache, own in zip(caches, ids, strict=True):
+                at = chunk * cb - first
+                src = torch.tensor(own[at : at + cb], dtype=torch.int64)
+                rows.append(cache.index_select(0, src))
+            self.store.put(name, encode_chunk(spec, rows))
 
     def close(self) -> None:
         self.store.close()
