@@ -128,6 +128,30 @@ def test_load_from_first_inside_the_stored_run(spec, first):
     assert not any(cache[dst_ids[2 * cb - first :]].any() for cache in dst)
 
 
+def test_chunks_saved_one_at_a_time_with_a_block_list_per_cache(spec):
+    """DeepSeek-V4's token caches keep their rows in blocks of their own: each cache gets its
+    own block ids, and a prompt's chunks are saved as they are computed (``first``). A load
+    then fills each cache's own blocks, the same bytes as one list for all."""
+    block_size, cb = 16, 16
+    n = 2 * cb
+    keys = prompt_keys(n, block_size)
+    src = random_caches(n + 1, block_size, torch.float32)
+    own = [list(range(1, n + 1)), list(range(n, 0, -1))]  # cache 0's blocks, cache 1's
+    conn = connect(spec, new_fingerprint(), block_size)
+    conn.save(keys[:cb], src, [ids[:cb] for ids in own])
+    assert conn.lookup(keys) == cb
+    conn.save(keys, src, [ids[cb:] for ids in own], first=cb)
+    assert conn.lookup(keys) == n
+    dst = [torch.zeros_like(cache) for cache in src]
+    assert conn.load(keys, 0, dst, own) == n
+    for cache, source, ids in zip(dst, src, own, strict=True):
+        assert torch.equal(cache[ids], source[ids]) and not cache[0].any()
+    with pytest.raises(ValueError, match="chunk boundary"):
+        conn.save(keys, src, [ids[5:] for ids in own], first=5)
+    with pytest.raises(ValueError, match="3 block id lists for 2 caches"):
+        conn.load(keys, 0, dst, [own[0]] * 3)
+
+
 def _flip_byte(data: bytes) -> bytes:
     middle = len(data) - 100  # inside the last layer's rows
     return data[:middle] + bytes([data[middle] ^ 0x10]) + data[middle + 1 :]
