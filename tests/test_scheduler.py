@@ -6,12 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from scheduler_traffic import finish_step, random_traffic, request
 
 from mlafx.runtime.block_hash import full_block_hashes
 from mlafx.runtime.block_manager import BlockManager, OutOfBlocksError
 from mlafx.runtime.metrics import EngineStats
-from mlafx.runtime.request import Request
-from mlafx.runtime.sampling_params import RequestMetrics, SamplingParams
 from mlafx.runtime.scheduler import ScheduledSequence, Scheduler
 
 KEYS = full_block_hashes(list(range(40)), 4)  # 10 chained keys
@@ -76,10 +75,6 @@ def test_prefix_caching_off_never_hits():
     assert blocks.lookup(KEYS) == [] and blocks.num_cached_blocks == 0
 
 
-def request(rid: str, prompt: list[int], max_tokens: int = 8) -> Request:
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), RequestMetrics(0.0))
-
-
 def make_scheduler(num_blocks=64, block_size=4, **kwargs) -> Scheduler:
     options = dict(max_num_seqs=8, max_num_batched_tokens=32, enable_chunked_prefill=True)
     options.update(kwargs)
@@ -88,20 +83,6 @@ def make_scheduler(num_blocks=64, block_size=4, **kwargs) -> Scheduler:
 
 def spans(batch: list[ScheduledSequence]) -> dict[str, tuple[int, int]]:
     return {s.request.request_id: (s.start, s.end) for s in batch}
-
-
-def finish_step(scheduler: Scheduler, batch: list[ScheduledSequence]) -> None:
-    """What the engine does after the model ran: rows computed, a token for finished
-    prompts, full blocks offered to the prefix cache."""
-    for seq in batch:
-        r = seq.request
-        r.num_computed_tokens = seq.end
-        scheduler.register_computed_blocks(r)
-        assert len(r.blocks) * scheduler.block_size >= seq.end
-        if seq.end == r.num_tokens:
-            r.output_token_ids.append(7)
-            if len(r.output_token_ids) == r.params.max_tokens:
-                scheduler.finish(r)
 
 
 def test_chunked_prefill_splits_prompts_and_schedules_decodes_first():
@@ -205,19 +186,8 @@ def test_random_traffic_keeps_the_cache_consistent(block_size, num_blocks, chunk
     )
     blocks = scheduler.blocks
     rows: dict[tuple[int, int], int] = {}  # (block, offset) -> token id written there
-    stems = [[rng.randrange(50) for _ in range(30)] for _ in range(3)]
-    live: list[Request] = []
-    for step in range(3000):
-        if step < 300 and rng.random() < 0.3:
-            prompt = rng.choice(stems)[: rng.randint(1, 30)] + [
-                rng.randrange(50) for _ in range(rng.randint(0, 12))
-            ]
-            live.append(request(str(step), prompt or [1], max_tokens=rng.randint(1, 30)))
-            scheduler.add(live[-1])
-        if live and rng.random() < 0.03:  # abort a random request
-            victim = live.pop(rng.randrange(len(live)))
-            scheduler.abort(victim)
-        batch = scheduler.schedule()
+
+    def check(batch: list[ScheduledSequence]) -> None:
         assert sum(s.num_tokens for s in batch) <= 24 or (not chunked and len(batch) == 1)
         assert len(scheduler.running) <= 6
         for seq in batch:
@@ -230,17 +200,7 @@ def test_random_traffic_keeps_the_cache_consistent(block_size, num_blocks, chunk
                 block = r.blocks[pos // block_size]
                 assert blocks.ref_count(block) == 1 and not blocks.is_registered(block)
                 rows[(block, pos % block_size)] = r.token_ids(pos, pos + 1)[0]
-        for seq in batch:
-            r = seq.request
-            r.num_computed_tokens = seq.end
-            scheduler.register_computed_blocks(r)
-            if seq.samples:
-                r.output_token_ids.append(sum(r.token_ids(0, r.num_tokens)) % 50)
-                if len(r.output_token_ids) == r.params.max_tokens:
-                    scheduler.finish(r)
-                    live.remove(r)
-        if step >= 300 and not scheduler.has_unfinished():
-            break
-    assert not scheduler.has_unfinished() and not live
+
+    random_traffic(scheduler, rng, check)
     assert blocks.num_free_blocks == blocks.num_usable_blocks
     assert scheduler.stats.prefix_cache_hit_tokens > 0 and scheduler.stats.num_preemptions > 0

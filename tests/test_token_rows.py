@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from scheduler_traffic import finish_step, random_traffic, request
 from transformers import DeepseekV4Config as HFConfig
 from v4_cases import TINY_V4
 
@@ -16,8 +17,7 @@ from mlafx.runtime.block_manager import BlockManager
 from mlafx.runtime.metrics import EngineStats
 from mlafx.runtime.options import ServingOptions
 from mlafx.runtime.request import Request
-from mlafx.runtime.sampling_params import RequestMetrics, SamplingParams
-from mlafx.runtime.scheduler import Scheduler
+from mlafx.runtime.scheduler import ScheduledSequence, Scheduler
 from mlafx.runtime.token_rows import TokenRowBlocks, cache_block_counts
 
 
@@ -167,23 +167,12 @@ def test_cache_block_counts_split_the_memory_between_token_rows_and_pools():
         cache_block_counts(cfg, tight, "float32", 512)
 
 
-def _request(rid: str, prompt: list[int], max_tokens: int) -> Request:
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), RequestMetrics(0.0))
-
-
 def _serve(scheduler: Scheduler, request: Request) -> int:
     """Run ``request`` alone to its end (the engine's bookkeeping, no model); its hit tokens."""
     scheduler.add(request)
     before = scheduler.stats.prefix_cache_hit_tokens
     while scheduler.has_unfinished():
-        for seq in scheduler.schedule():
-            r = seq.request
-            r.num_computed_tokens = seq.end
-            scheduler.register_computed_blocks(r)
-            if seq.samples:
-                r.output_token_ids.append(3)
-                if len(r.output_token_ids) == r.params.max_tokens:
-                    scheduler.finish(r)
+        finish_step(scheduler, scheduler.schedule())
     return scheduler.stats.prefix_cache_hit_tokens - before
 
 
@@ -202,11 +191,11 @@ def test_a_prefix_recomputed_after_its_rows_were_dropped_is_reusable_again():
         first_read=cfg.first_token_row_read,
     )  # fmt: skip
     prompt = list(range(33))
-    assert _serve(scheduler, _request("a", prompt, 2)) == 0
-    assert _serve(scheduler, _request("a again", prompt, 2)) == 32  # rows still kept
-    assert _serve(scheduler, _request("other", list(range(50, 100)), 2)) == 0
-    assert _serve(scheduler, _request("b", prompt, 2)) == 0  # A's rows are gone
-    assert _serve(scheduler, _request("c", prompt, 2)) == 32
+    assert _serve(scheduler, request("a", prompt, 2)) == 0
+    assert _serve(scheduler, request("a again", prompt, 2)) == 32  # rows still kept
+    assert _serve(scheduler, request("other", list(range(50, 100)), 2)) == 0
+    assert _serve(scheduler, request("b", prompt, 2)) == 0  # A's rows are gone
+    assert _serve(scheduler, request("c", prompt, 2)) == 32
 
 
 @pytest.mark.parametrize(("block_size", "num_token_blocks"), [(4, 16), (8, 9), (16, 6)])
@@ -227,18 +216,8 @@ def test_random_traffic_reads_only_held_token_rows_of_its_own(block_size, num_to
     )  # fmt: skip
     pool_rows: dict[tuple[int, int], int] = {}  # (block, offset) -> token id written there
     token_cache: dict[tuple[int, int], int] = {}  # (token block, offset) -> token id
-    stems = [[rng.randrange(50) for _ in range(40)] for _ in range(3)]
-    live: list[Request] = []
-    for step in range(4000):
-        if step < 300 and rng.random() < 0.25:
-            prompt = rng.choice(stems)[: rng.randint(1, 40)] + [
-                rng.randrange(50) for _ in range(rng.randint(0, 10))
-            ]
-            live.append(_request(str(step), prompt or [1], rng.randint(1, 30)))
-            scheduler.add(live[-1])
-        if live and rng.random() < 0.02:
-            scheduler.abort(live.pop(rng.randrange(len(live))))
-        batch = scheduler.schedule()
+
+    def check(batch: list[ScheduledSequence]) -> None:
         for seq in batch:
             r = seq.request
             assert r.token_rows_from == cfg.first_token_row_read(seq.start) // block_size
@@ -248,24 +227,15 @@ def test_random_traffic_reads_only_held_token_rows_of_its_own(block_size, num_to
                 want = r.token_ids(pos, pos + 1)[0]
                 assert pool_rows[(b, off)] == want
                 if pos >= cfg.first_token_row_read(seq.start):
-                    assert token_cache[(int(token_rows.table[b]), off)] == want
+                    assert token_cache[(token_rows.token_block(b), off)] == want
             for pos in range(seq.start, seq.end):
                 b, off = r.blocks[pos // block_size], pos % block_size
                 assert blocks.ref_count(b) == 1 and not blocks.is_registered(b)
-                pool_rows[(b, off)] = token_cache[(int(token_rows.table[b]), off)] = r.token_ids(
-                    pos, pos + 1
-                )[0]
-        for seq in batch:
-            r = seq.request
-            r.num_computed_tokens = seq.end
-            scheduler.register_computed_blocks(r)
-            if seq.samples:
-                r.output_token_ids.append(sum(r.token_ids(0, r.num_tokens)) % 50)
-                if len(r.output_token_ids) == r.params.max_tokens:
-                    scheduler.finish(r)
-                    live.remove(r)
-        if step >= 300 and not scheduler.has_unfinished():
-            break
-    assert not scheduler.has_unfinished() and not live
+                want = r.token_ids(pos, pos + 1)[0]
+                pool_rows[(b, off)] = token_cache[(token_rows.token_block(b), off)] = want
+
+    random_traffic(
+        scheduler, rng, check, stem_len=40, extra=10, arrive=0.25, abort=0.02, steps=4000
+    )
     assert blocks.num_free_blocks == blocks.num_usable_blocks and token_rows.num_held == 0
     assert scheduler.stats.prefix_cache_hit_tokens > 0 and scheduler.stats.num_preemptions > 0
