@@ -29,8 +29,8 @@ class Request:
     admitted: bool = False  # scheduled at least once (a preempted request stays True)
     prompt_saved: bool = False  # full prompt blocks handed to the KV connector
     # DeepSeek-V4's token rows apart: leading prompt blocks handed to the KV connector (whole
-    # chunks, saved as computed), and whether a load from it fell short (then the next
-    # admission reads the local cache alone)
+    # chunks, saved as computed), and whether a load from it fell short (then this request's
+    # admissions read the local cache alone)
     num_saved_blocks: int = 0
     external_miss: bool = False
     finish_reason: str | None = None
