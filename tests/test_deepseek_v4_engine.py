@@ -23,6 +23,7 @@ from mlafx.config.deepseek_v4 import DeepseekV4Config
 from mlafx.config.model_config import load_hf_config_dict
 from mlafx.runtime.block_hash import cache_fingerprint, full_block_hashes
 from mlafx.runtime.kv_connector import make_connector
+from tests.memory_connector import InMemoryConnector
 
 TOL = 1e-4
 
@@ -264,6 +265,23 @@ def test_a_kv_store_with_token_rows_released_as_chunks_are_saved(
     assert third.engine.stats.external_hit_tokens == 0
     assert again.outputs[0].token_ids == loaded[0].outputs[0].token_ids
     third.close()
+
+
+def test_a_connector_of_the_first_contract_keeps_every_token_row(hf_model, checkpoint):
+    """A user's connector written before token rows had blocks of their own (one block-id
+    list for every cache, ``save`` without ``first``) still serves V4: for it the engine keeps
+    every token's rows, as it did before."""
+    cfg = DeepseekV4Config.from_hf_dict(load_hf_config_dict(checkpoint))
+    store = InMemoryConnector(cache_fingerprint(cfg, "float32", 8), 8)
+    (prompt,) = _prompts([100], seed=9)
+    first = _llm(checkpoint, block_size=8, num_kv_blocks=64, kv_connector=store)
+    assert first.engine.token_rows is None
+    _generate(first, [prompt])
+    assert store.saves == 1
+    second = _llm(checkpoint, block_size=8, num_kv_blocks=64, kv_connector=store)
+    longer = prompt + [5, 6]
+    _check(hf_model, [longer], _generate(second, [longer]))
+    assert second.engine.stats.external_hit_tokens == 96
 
 
 @PATHS

@@ -3,15 +3,13 @@ surviving LRU eviction pressure, and an in-memory KV connector shared by two eng
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
-import torch
 
 from mlafx.config import ModelConfig
-from mlafx.runtime.block_hash import BlockHash, cache_fingerprint
+from mlafx.runtime.block_hash import cache_fingerprint
 from mlafx.runtime.kv_connector.base import KVConnector
 from tests.engine_compare import assert_same_greedy, greedy_params, random_prompts, reference_alone
+from tests.memory_connector import InMemoryConnector
 from tests.tiny_models import TINY_OVERRIDES, tiny_llm
 
 NEW_TOKENS = 4
@@ -20,37 +18,6 @@ BLOCK = 16
 FINGERPRINT = cache_fingerprint(
     ModelConfig.from_model("deepseek-v2-lite", TINY_OVERRIDES), "float32", BLOCK
 )
-
-
-class InMemoryConnector(KVConnector):
-    """The contract of ``kv_connector/base.py`` over a dict (one block per entry);
-    ``drop_after`` makes ``load`` stop early, as a corrupt entry would."""
-
-    def __init__(self, fingerprint: str, block_size: int, drop_after: int | None = None):
-        super().__init__(fingerprint, block_size, chunk_tokens=block_size)
-        self.blocks: dict[BlockHash, list[torch.Tensor]] = {}
-        self.drop_after = drop_after
-        self.saves = 0
-
-    def lookup(self, keys: Sequence[BlockHash]) -> int:
-        n = 0
-        while n < len(keys) and keys[n] in self.blocks:
-            n += 1
-        return n
-
-    def load(self, keys, first, caches, block_ids) -> int:
-        wanted = len(keys) - first
-        loadable = wanted if self.drop_after is None else min(wanted, self.drop_after)
-        for i in range(loadable):
-            for cache, rows in zip(caches, self.blocks[keys[first + i]], strict=True):
-                cache[block_ids[i]] = rows
-        return loadable
-
-    def save(self, keys, caches, block_ids, first=0) -> None:
-        assert first == 0  # an MLA engine saves a prompt's blocks at once
-        self.saves += 1
-        for key, block in zip(keys, block_ids, strict=True):
-            self.blocks.setdefault(key, [cache[block].clone() for cache in caches])
 
 
 def engine(connector: KVConnector | None = None, **kwargs):

@@ -264,7 +264,7 @@ class LLM:
         self.cache_fingerprint = cache_fingerprint(config, dtype, options.block_size)
         num_blocks = options.num_blocks(config, dtype)
         num_token_blocks = None
-        if keeps_token_rows_apart(config, step_fn):
+        if keeps_token_rows_apart(config, step_fn, kv_connector):
             assert isinstance(config, DeepseekV4Config)
             save_blocks = 0 if kv_connector is None else kv_connector.chunk_blocks
             num_blocks, num_token_blocks = cache_block_counts(

@@ -59,7 +59,10 @@ class KVTransfer:
         if self.token_rows is not None and not all(map(self.token_rows.has_rows, block_ids)):
             raise RuntimeError("saving blocks whose token rows are no longer kept")
         try:
-            self.connector.save(keys, self.caches, ids, first)
+            if self.token_rows is None and first == 0:  # the contract every connector keeps
+                self.connector.save(keys, self.caches, ids)
+            else:
+                self.connector.save(keys, self.caches, ids, first)
         except KVConnectorError as e:
             log.warning("KV connector save failed (%s); the prefix is not stored", e)
 

@@ -189,7 +189,12 @@ def token_blocks_for_lifetime(cache_blocks: int) -> int:
     return cache_blocks + 1
 
 
-def keeps_token_rows_apart(config: object, step_fn: object) -> bool:
+def keeps_token_rows_apart(config: object, step_fn: object, kv_connector: object) -> bool:
     """Whether an engine keeps token rows in blocks of their own: a DeepSeek-V4 model whose
-    step reads them through a token-block map (``bind_token_blocks``)."""
-    return isinstance(config, DeepseekV4Config) and hasattr(step_fn, "bind_token_blocks")
+    step reads them through a token-block map (``bind_token_blocks``), without a KV connector
+    or with one that takes a block-id list per cache (``KVConnector.supports_token_rows``)."""
+    return (
+        isinstance(config, DeepseekV4Config)
+        and hasattr(step_fn, "bind_token_blocks")
+        and (kv_connector is None or bool(getattr(kv_connector, "supports_token_rows", False)))
+    )

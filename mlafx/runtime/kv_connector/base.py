@@ -51,6 +51,11 @@ class KVConnectorError(RuntimeError):
 
 
 class KVConnector(ABC):
+    # whether ``load`` / ``save`` take one block-id list per cache and ``save(..., first)``:
+    # DeepSeek-V4 keeps its token rows apart only with such a connector (or none); with
+    # another it keeps every token's rows, and the connector sees one list and ``first`` 0
+    supports_token_rows = False
+
     def __init__(self, fingerprint: str, block_size: int, chunk_tokens: int) -> None:
         self.fingerprint = fingerprint
         self.block_size = block_size

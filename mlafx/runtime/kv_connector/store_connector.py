@@ -52,6 +52,8 @@ class ChunkStore(Protocol):
 class StoreConnector(KVConnector):
     """Whole chunks of latent blocks kept in a ``ChunkStore``."""
 
+    supports_token_rows = True
+
     def __init__(
         self, store: ChunkStore, fingerprint: str, block_size: int, chunk_tokens: int
     ) -> None:
