@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scheduler_traffic import finish_step, random_traffic, request
 from transformers import DeepseekV4Config as HFConfig
 from v4_cases import TINY_V4
@@ -68,6 +70,34 @@ def test_first_read_is_exactly_where_later_decode_steps_stop_reading(name):
         assert cfg.first_token_row_read(p) <= cfg.first_token_row_read(p + 1) <= p + 1
         assert p - cfg.first_token_row_read(p) <= cfg.token_row_lookback
     assert max(p - cfg.first_token_row_read(p) for p in range(200)) == cfg.token_row_lookback
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    window=st.integers(1, 48),
+    csa=st.sampled_from([2, 4, 8]),
+    hca=st.sampled_from([8, 16, 32]),
+    kinds=st.sampled_from(["csa", "hca", "both"]),
+    steps=st.lists(st.tuples(st.integers(0, 150), st.integers(1, 40)), min_size=5, max_size=5),
+)
+def test_first_read_holds_for_any_window_and_rates(window, csa, hca, kinds, steps):
+    """Any window and rates: decode steps from p on read exactly from
+    ``first_token_row_read(p)``, and a step of any span reads nothing before it."""
+    layer = {"csa": ["compressed_sparse_attention"], "hca": ["heavily_compressed_attention"]}
+    compressed = layer["csa"] + layer["hca"] if kinds == "both" else layer[kinds]
+    cfg = _config(
+        sliding_window=window,
+        num_hidden_layers=1 + len(compressed),
+        layer_types=["sliding_attention", *compressed],
+        mlp_layer_types=["hash_moe", *["moe"] * len(compressed)],
+        compress_rates={"compressed_sparse_attention": csa, "heavily_compressed_attention": hca},
+    )
+    horizon = 2 * max(cfg.compress_rates) + window
+    reads = [min(_positions_read(cfg, p, 1, 8)) for p in range(120 + horizon)]
+    for p in range(120):
+        assert min(reads[p:]) == cfg.first_token_row_read(p), p
+    for context, new in steps:
+        assert min(_positions_read(cfg, context, new, 8)) >= cfg.first_token_row_read(context)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
