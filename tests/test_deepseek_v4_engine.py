@@ -23,6 +23,7 @@ from mlafx.config.deepseek_v4 import DeepseekV4Config
 from mlafx.config.model_config import load_hf_config_dict
 from mlafx.runtime.block_hash import cache_fingerprint, full_block_hashes
 from mlafx.runtime.kv_connector import make_connector
+from mlafx.runtime.token_rows import block_bytes
 from tests.memory_connector import InMemoryConnector
 
 TOL = 1e-4
@@ -167,16 +168,19 @@ def test_token_rows_past_the_window_are_dropped(hf_model, checkpoint, compiled):
     assert engine.token_rows.num_held == 0 and llm.get_metrics()["token_rows_usage"] == 0.0
 
 
+def _token_block_bytes(checkpoint) -> int:
+    """One token block of the test model at block size 8, float32."""
+    cfg = DeepseekV4Config.from_hf_dict(load_hf_config_dict(checkpoint))
+    return block_bytes(cfg, 8, "float32")[0]
+
+
 @PATHS
 def test_few_token_blocks_make_requests_wait_and_preempt(hf_model, checkpoint, compiled):
     """A cache memory whose half holds fewer token blocks than four sequences' windows: the
     token blocks, not the cache blocks, run out; requests wait and are preempted, and every
     token stays the reference's."""
     prompts = _prompts([30, 45, 60, 75, 20], seed=6)
-    cfg = DeepseekV4Config.from_hf_dict(load_hf_config_dict(checkpoint))
-    kinds = zip(cfg.cache_block_shapes(8), cfg.token_caches(), strict=True)
-    widths = [w for (_, w), token in kinds if token]
-    token_block_bytes = 8 * sum(widths) * 4
+    token_block_bytes = _token_block_bytes(checkpoint)
     llm = _llm(
         checkpoint, compiled, block_size=8, max_num_seqs=4, max_num_batched_tokens=37,
         kv_cache_memory=2 * 10 * token_block_bytes,
@@ -191,9 +195,7 @@ def test_few_token_blocks_make_requests_wait_and_preempt(hf_model, checkpoint, c
 def test_without_chunked_prefill_a_prompt_needing_more_token_rows_is_refused(hf_model, checkpoint):
     """A whole prompt is one step without chunked prefill: its rows from position 0 must fit
     the token blocks, or the request is refused up front (it would wait forever)."""
-    cfg = DeepseekV4Config.from_hf_dict(load_hf_config_dict(checkpoint))
-    kinds = zip(cfg.cache_block_shapes(8), cfg.token_caches(), strict=True)
-    token_block_bytes = 8 * sum(w for (_, w), token in kinds if token) * 4
+    token_block_bytes = _token_block_bytes(checkpoint)
     llm = _llm(
         checkpoint, block_size=8, enable_chunked_prefill=False, max_num_batched_tokens=37,
         kv_cache_memory=2 * 10 * token_block_bytes,

@@ -134,8 +134,8 @@ class EngineCore:
         for cache, token in zip(self.kv_caches, self.token_caches, strict=True):
             count = rows * cache.shape[1] // self.block_size
             if token and self.token_rows is not None:
-                table = self.token_rows.table
-                cache[int(table[dst]), :count] = cache[int(table[src]), :count]
+                rows_of = self.token_rows.token_block
+                cache[rows_of(dst), :count] = cache[rows_of(src), :count]
             else:
                 cache[dst, :count] = cache[src, :count]
 

@@ -136,6 +136,15 @@ class TokenRowBlocks:
         self._token_block[block] = token_block
 
 
+def block_bytes(cfg: DeepseekV4Config, block_size: int, dtype: str) -> tuple[int, int]:
+    """Bytes of one token block (every token cache's ``block_size`` rows) and of one cache
+    block's pool entries (every pool cache's rows of a block)."""
+    blocks = list(zip(cfg.cache_block_shapes(block_size), cfg.token_caches(), strict=True))
+    tokens = sum(rows * width for (rows, width), token in blocks if token)
+    pools = sum(rows * width for (rows, width), token in blocks if not token)
+    return tokens * dtype_bytes(dtype), pools * dtype_bytes(dtype)
+
+
 def cache_block_counts(
     cfg: DeepseekV4Config,
     options: ServingOptions,
@@ -154,11 +163,7 @@ def cache_block_counts(
     as many token blocks. ``save_blocks``: a KV connector's chunk, whose rows each sequence
     keeps until the chunk is saved."""
     bs = options.block_size
-    size = dtype_bytes(dtype)
-    shapes = cfg.cache_block_shapes(bs)
-    kinds = cfg.token_caches()
-    token_bytes = sum(r * w for (r, w), token in zip(shapes, kinds, strict=True) if token) * size
-    pool_bytes = sum(r * w for (r, w), token in zip(shapes, kinds, strict=True) if not token) * size
+    token_bytes, pool_bytes = block_bytes(cfg, bs, dtype)
     lookback = -(-cfg.token_row_lookback // bs)
     chunk = options.max_num_batched_tokens
     least = -(-(chunk + cfg.token_row_lookback) // bs) + 3 + save_blocks  # + reserved block 0
