@@ -34,7 +34,7 @@ class KVTransfer:
         self.connector = connector
         self.caches = caches  # the engine's paged caches, [num_blocks, rows, width] each
         self.token_rows = token_rows
-        self.token_caches = tuple(token_caches) or (False,) * len(caches)
+        self.token_caches = tuple(token_caches)
 
     def lookup(self, keys: Sequence[BlockHash]) -> int:
         """How many leading blocks of ``keys`` the store can provide."""
