@@ -108,6 +108,25 @@ def test_tile_path_edges(m, n, k, block, seed):
     _assert_within_bound(linear_fp8(x, w, s, block), x, w, s, block)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.sampled_from([9, 16, 17, 33, 48, 49, 97]),
+    n=st.sampled_from([1, 8, 15, 17, 63, 64, 65, 130]),
+    k=st.sampled_from([1, 31, 64, 130, 257]),
+    block=st.sampled_from([(128, 128), (3, 32), (48, 96), (16, 64)]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_pairs_path_edges(m, n, k, block, seed):
+    """bf16 rows from 9 on without AMX tiles (this CPU without AMX, or block_k not a multiple
+    of 64): the pairs GEMM (fp8_pairs_avx512.cpp). Panels of 48 rows cut short, 16- and 8-row
+    register tiles cut short, 64-row chunks of weight and a partial one after them, odd K (a
+    pair with one column), scales changing inside a register tile (block_n 3)."""
+    gen = torch.Generator().manual_seed(seed)
+    w, s = _weight(n, k, gen), _scale(n, k, block, gen)
+    x = _rows(m, k, torch.bfloat16, gen, "strided")
+    _assert_within_bound(linear_fp8(x, w, s, block), x, w, s, block)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("m", [1, 8, 32, 33, 1024])
 def test_rows_and_partial_blocks(m, dtype):
@@ -316,8 +335,8 @@ def _run_probe(tmp_path, name, **env_vars):
 
 def test_every_isa_path_within_the_bound(tmp_path):
     """The best path this CPU has (no variables; AMX tiles and the VBMI byte-table decoding
-    where the CPU has them), the AVX-512 one without AMX (VBMI, and the fp32 GEMM from 64
-    rows), the arithmetic decoding (MLAFX_DISABLE_VBMI=1), the one
+    where the CPU has them), the AVX-512 one without AMX (VBMI up to 8 rows, the pairs GEMM
+    from 9), the arithmetic decoding (MLAFX_DISABLE_VBMI=1), the one
     below AVX2 (MLAFX_DISABLE_AVX2=1: AVX-512 where the CPU has it, else portable) and the
     portable one (MLAFX_DISABLE_AVX512=1) on the same cases: rows 1/8/32/33/1024, every
     dtype, partial blocks, strided rows, both expert paths."""

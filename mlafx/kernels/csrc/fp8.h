@@ -32,9 +32,9 @@ struct Fp8Weight {
 
 // M rows of activations: bf16 bits when bf16 != nullptr (only made when use_avx512_bf16()),
 // else fp32 in f32. Row stride ld; K columns. `tiles`, when not null, holds the same bf16 rows
-// staged in a kernel's order: by avx512::fp8_stage_tiles for the AMX kernel (made only when
-// fp8_uses_tiles(), so for weights whose block_k is a multiple of 64), or for an FP4 weight
-// by avx512::fp4_stage_rows (fp4.h).
+// staged in a kernel's order (made only when fp8_uses_tiles()): by avx512::fp8_stage_tiles for
+// the AMX kernel when fp8_tiles_are_amx(block_k), else by avx512::fp8_stage_pairs for the pairs
+// GEMM; or for an FP4 weight by avx512::fp4_stage_rows (fp4.h).
 struct Fp8Rows {
   const uint16_t* bf16;
   const float* f32;
@@ -48,6 +48,10 @@ struct Fp8Rows {
 // Single-threaded: callers split n.
 void fp8_dot(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
              float* out, int64_t ldo);
+
+// Whether rows staged for a weight of this block_k (fp8_uses_tiles) are the AMX kernel's tiles
+// (AMX-BF16 and VBMI, block_k a multiple of 64), else the pairs GEMM's panels.
+bool fp8_tiles_are_amx(int64_t block_k);
 
 // The float value of every e4m3fn byte (NaN for 0x7F / 0xFF).
 float e4m3_to_float(uint8_t byte);
@@ -85,6 +89,24 @@ int64_t fp8_tile_elements(int64_t M, int64_t K);
 // stage disjoint ranges. Call only when use_avx512_bf16().
 void fp8_stage_tiles(const uint16_t* x, int64_t ldx, int64_t K, int64_t m0, int64_t m1,
                      uint16_t* tiles);
+
+// The pairs GEMM (fp8_pairs_avx512.cpp): fp8_dot's contract for M bf16 rows staged in x.tiles
+// by fp8_stage_pairs; for CPUs with AVX-512 BF16 and no AMX, at kFp8PairsMinRows rows and more.
+// Call only when use_avx512_bf16().
+void fp8_dot_pairs(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
+                   float* out, int64_t ldo);
+
+// Rows of x per panel of the staged pairs.
+constexpr int64_t kFp8PanelRows = 48;
+
+// bf16 elements of M rows of K columns staged as pairs: per panel of kFp8PanelRows rows (zeros
+// past M), per column pair (a zero past K), the pair of each of the panel's rows.
+int64_t fp8_pair_elements(int64_t M, int64_t K);
+
+// Stages panels [q0, q1) of the M rows of x (bf16 bits, row stride ldx) into `pairs`
+// (fp8_pair_elements(M, K) elements, 64-byte aligned). Threads may stage disjoint panels.
+void fp8_stage_pairs(const uint16_t* x, int64_t ldx, int64_t K, int64_t M, int64_t q0,
+                     int64_t q1, uint16_t* pairs);
 
 }  // namespace mlafx::avx512
 

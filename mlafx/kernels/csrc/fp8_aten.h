@@ -22,29 +22,35 @@ struct Fp8Activations {
   int64_t ld = 0;
   bool is_bf16 = false;
   at::Tensor data;  // [rows, ld] bfloat16 or float32
-  at::Tensor tiles;  // the rows staged for the AMX kernel (stage_tiles), or undefined
+  at::Tensor tiles;  // the rows staged for a tile kernel (stage_tiles), or undefined
 
   // Rows from row0 on; only row0 = 0 carries the staged tiles.
   Fp8Rows view(int64_t row0 = 0) const;
-  // Stages the rows for the AMX kernel when fp8_uses_tiles(rows, block_k) and they are bf16.
+  // Stages the rows for a tile kernel when fp8_uses_tiles(rows, block_k) and they are bf16.
   void stage_tiles(int64_t block_k);
 };
 
-// Whether M bf16 rows of x take the AMX tile kernel (fp8_dot_amx_avx512.cpp) against weights of
-// this block_k: the CPU has AMX-BF16 and VBMI (and MLAFX_DISABLE_* leaves them on), block_k is
-// a multiple of 64 (the decoder's chunks) and M >= kFp8TileMinRows (any M >= 1 in
-// batch-invariant mode: a tile product's sums for one row of x do not depend on the others, so
-// the tiles give a row the same bits at every row count). From 4: at 2-3 rows a dense linear
-// gained ~10% on tiles, but 8 tokens' experts (groups of 1-3 rows, each staged apart) lost as
-// much (Xeon, 6 Dec 2026).
+// Whether M bf16 rows of x are staged for a tile kernel against weights of this block_k:
+// - with AMX (fp8_tiles_are_amx: AMX-BF16 and VBMI, and MLAFX_DISABLE_* leaves them on, block_k
+//   a multiple of 64) the AMX kernel (fp8_dot_amx_avx512.cpp) from kFp8TileMinRows rows (any
+//   M >= 1 in batch-invariant mode: a tile product's sums for one row of x do not depend on the
+//   others, so the tiles give a row the same bits at every row count). From 4: at 2-3 rows a
+//   dense linear gained ~10% on tiles, but 8 tokens' experts (groups of 1-3 rows, each staged
+//   apart) lost as much (Xeon, 6 Dec 2026);
+// - else with AVX-512 BF16 the pairs GEMM (fp8_pairs_avx512.cpp) from kFp8PairsMinRows rows,
+//   except in batch-invariant mode (VBMI's kernel then takes 8 rows at a time, fp8_dot.cpp).
 constexpr int64_t kFp8TileMinRows = 4;
+constexpr int64_t kFp8PairsMinRows = 9;
 bool fp8_uses_tiles(int64_t M, int64_t block_k);
 
-// M bf16 rows at x staged for the AMX kernel (int16 [fp8_tile_elements(M, K)] holding bf16
-// bits), staged in parallel; undefined unless fp8_uses_tiles(M, block_k) and x.bf16 is set.
+// M bf16 rows at x staged for the tile kernel (int16 [fp8_tile_elements or fp8_pair_elements]
+// holding bf16 bits), staged in parallel; undefined unless fp8_uses_tiles(M, block_k) and
+// x.bf16 is set.
 at::Tensor stage_tiles(const Fp8Rows& x, int64_t M, int64_t K, int64_t block_k);
 // Uninitialised storage for M staged rows of K columns, 64-byte aligned.
-at::Tensor empty_tiles(int64_t M, int64_t K);
+at::Tensor empty_tiles(int64_t M, int64_t K, int64_t block_k);
+// Stages M bf16 rows of x into `tiles` (empty_tiles(M, K, block_k)), in parallel.
+void stage_rows(const Fp8Rows& x, int64_t M, int64_t K, int64_t block_k, uint16_t* tiles);
 
 // x [M, K] bf16/fp16/fp32, last dim contiguous (rows may be strided).
 Fp8Activations fp8_activations(const at::Tensor& x);

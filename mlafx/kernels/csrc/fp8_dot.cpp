@@ -63,6 +63,10 @@ void fp8_dot_portable(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n
 
 float e4m3_to_float(uint8_t byte) { return e4m3_table()[byte]; }
 
+bool fp8_tiles_are_amx(int64_t block_k) {
+  return block_k % 64 == 0 && use_amx_bf16() && use_avx512_vbmi();
+}
+
 void fp8_dequantize(const Fp8Weight& w, int64_t n0, int64_t n1, float* out) {
   if (use_avx512_bf16()) {
     avx512::fp8_dequantize(w, n0, n1, out);

@@ -3,10 +3,6 @@
 // against fp32 activations. Each k block's 16-lane partial sums are scaled by the block's
 // scale once (one FMA per block) and reduced across lanes once per output.
 //
-// e4m3fn -> bf16 (both exact): a normal byte s.eeee.mmm is bf16 s.(e + 120).mmm0000, i.e.
-// ((b & 0x7F) << 4) + 0x3C00 with the sign moved from bit 7 to bit 15; the 7 subnormals
-// (e = 0: m * 2^-9) and zero come from an 8-entry permute table; 0x7F / 0xFF are NaN.
-//
 // Register tiles: MR rows of x by NR rows of W share each converted weight vector and each
 // loaded activation vector. Few rows of x (decode) take several weight rows at once for
 // independent accumulator chains; many rows (prefill) convert a tile of weight rows to a
@@ -21,26 +17,11 @@
 #include "block_dot_avx512.h"
 #include "cpu_features.h"
 #include "fp8.h"
+#include "fp8_bf16_avx512.h"
 #include "fp8_vbmi_avx512.h"
 
 namespace mlafx::avx512 {
 namespace {
-
-// 32 e4m3 bytes -> 32 bf16 (16-bit lanes).
-inline __m512i e4m3_to_bf16(__m256i bytes) {
-  const __m512i subnormals = _mm512_set_epi16(
-      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  //
-      0x3C60, 0x3C40, 0x3C20, 0x3C00, 0x3BC0, 0x3B80, 0x3B00, 0x0000);
-  const __m512i w = _mm512_cvtepu8_epi16(bytes);
-  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
-  __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(0x3C00));
-  v = _mm512_mask_permutexvar_epi16(v, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), mag,
-                                    subnormals);
-  v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)),
-                            _mm512_set1_epi16(0x7FC0));
-  // v | (w << 8 & 0x8000): the sign from bit 7 to bit 15
-  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(w, 8), _mm512_set1_epi16(-32768), 0xF8);
-}
 
 // The weight rows of one tile: e4m3 bytes, or bf16 already converted (kConverted).
 template <int NR, bool kConverted>
@@ -162,9 +143,54 @@ MLAFX_VBMI AlignedBuffer permuted_rows(const uint16_t* x, int64_t ldx, int64_t M
   return out;
 }
 
-template <int MR, int NR>
-MLAFX_VBMI void tile_vbmi(const Fp8Weight& W, const Decoder& dec, int64_t n, const uint16_t* xp,
-                          int64_t ldp, float* out, int64_t ldo) {
+// Prefetch distance of the VBMI tiles, in weight rows ahead of the tile: at least the next
+// tile's rows and at least kPrefetchBytes ahead, so a tile of one or two 2 KB rows still asks
+// for its lines a memory latency before it needs them.
+constexpr int64_t kPrefetchBytes = 8192;
+
+template <int NR>
+int64_t prefetch_rows(int64_t ldw) {
+  return std::max<int64_t>(NR, (kPrefetchBytes + ldw - 1) / std::max<int64_t>(ldw, 1));
+}
+
+// One 64-column chunk of a VBMI tile: NR weight rows decoded once, each times MR rows of x
+// into acc_a (the A columns) and acc_b (the B columns). x is the memory operand of VDPBF16PS
+// (its products are symmetric), so a tile of one weight row issues no separate x loads.
+template <int MR, int NR, bool kMasked>
+MLAFX_VBMI inline void chunk_vbmi(const Decoder& dec, const uint8_t* const* w, int64_t pf,
+                                  int64_t k, __mmask64 mask, const uint16_t* xp, int64_t ldp,
+                                  __m512 (&acc_a)[MR][NR], __m512 (&acc_b)[MR][NR]) {
+  __m512i wa[NR], wb[NR];
+  for (int r = 0; r < NR; ++r) {
+    // Into L2, the line `pf` bytes on: the hardware prefetchers stop at every 4 KB page (as
+    // gemm_avx512.cpp's prefetch_next_group). A prefetch into L1 holds one of the core's few
+    // fill buffers for the whole memory latency, and those capped one row of x (8 tokens'
+    // experts, 2 threads, Xeon, 6 Dec 2026) at 15 against 17.7 GB/s.
+    _mm_prefetch(reinterpret_cast<const char*>(w[r] + pf + k), _MM_HINT_T1);
+    const __m512i bytes = kMasked ? _mm512_maskz_loadu_epi8(mask, w[r] + k)
+                                  : _mm512_loadu_si512(w[r] + k);
+    dec.decode(bytes, &wa[r], &wb[r]);
+  }
+  for (int m = 0; m < MR; ++m) {
+    const uint16_t* x = xp + m * ldp + k;
+    for (int r = 0; r < NR; ++r) {
+      acc_a[m][r] = _mm512_dpbf16_ps(acc_a[m][r], (__m512bh)wa[r],
+                                     (__m512bh)_mm512_load_si512(x));
+      acc_b[m][r] = _mm512_dpbf16_ps(acc_b[m][r], (__m512bh)wb[r],
+                                     (__m512bh)_mm512_load_si512(x + 32));
+    }
+  }
+}
+
+// MR rows of x times NR weight rows. The A and B halves of each 64-column chunk sum into
+// separate accumulators: VDPBF16PS has a latency of several cycles and issues up to twice a
+// cycle (Zen 5: 6 cycles, 2 a cycle), so the tile needs 2 * MR * NR independent chains, each
+// one instruction deep per chunk, to keep it busy. kBlock: DeepSeek's block_k of 128 known at
+// compile time (two chunks a block, unrolled), else 0 (W.block_k).
+template <int MR, int NR, int kBlock>
+MLAFX_VBMI void tile_vbmi(const Fp8Weight& W, const Decoder& dec, int64_t n, int64_t pf,
+                          const uint16_t* xp, int64_t ldp, float* out, int64_t ldo) {
+  const int64_t block_k = kBlock != 0 ? kBlock : W.block_k;
   const uint8_t* w[NR];
   const float* scale[NR];
   for (int r = 0; r < NR; ++r) {
@@ -175,36 +201,26 @@ MLAFX_VBMI void tile_vbmi(const Fp8Weight& W, const Decoder& dec, int64_t n, con
   for (int m = 0; m < MR; ++m) {
     for (int r = 0; r < NR; ++r) total[m][r] = _mm512_setzero_ps();
   }
-  for (int64_t k0 = 0, kb = 0; k0 < W.K; k0 += W.block_k, ++kb) {
-    const int64_t k1 = std::min(W.K, k0 + W.block_k);
-    __m512 acc[MR][NR];
+  for (int64_t k0 = 0, kb = 0; k0 < W.K; k0 += block_k, ++kb) {
+    const int64_t k1 = std::min(W.K, k0 + block_k);
+    __m512 acc_a[MR][NR], acc_b[MR][NR];
     for (int m = 0; m < MR; ++m) {
-      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+      for (int r = 0; r < NR; ++r) acc_a[m][r] = acc_b[m][r] = _mm512_setzero_ps();
     }
-    for (int64_t k = k0; k < k1; k += 64) {
-      const __mmask64 mask = tail_mask64(k1 - k);
-      __m512i wa[NR], wb[NR];
-      for (int r = 0; r < NR; ++r) {
-        // the same line of the rows the next tile reads: the hardware prefetchers stop at
-        // every 4 KB page (as gemm_avx512.cpp's prefetch_next_group). Into L2: a prefetch
-        // into L1 holds one of the core's few fill buffers for the whole memory latency, and
-        // those capped one row of x (8 tokens' experts, 2 threads, Xeon, 6 Dec 2026) at 15
-        // against 17.7 GB/s.
-        _mm_prefetch(reinterpret_cast<const char*>(w[r] + NR * W.ldw + k), _MM_HINT_T1);
-        dec.decode(_mm512_maskz_loadu_epi8(mask, w[r] + k), &wa[r], &wb[r]);
+    if (k1 - k0 == block_k) {  // a whole block: whole chunks
+      for (int64_t k = k0; k < k0 + block_k; k += 64) {
+        chunk_vbmi<MR, NR, false>(dec, w, pf, k, 0, xp, ldp, acc_a, acc_b);
       }
-      for (int m = 0; m < MR; ++m) {
-        const __m512i xa = _mm512_load_si512(xp + m * ldp + k);
-        const __m512i xb = _mm512_load_si512(xp + m * ldp + k + 32);
-        for (int r = 0; r < NR; ++r) {
-          acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xa, (__m512bh)wa[r]);
-          acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xb, (__m512bh)wb[r]);
-        }
+    } else {  // the last block, cut short by K
+      for (int64_t k = k0; k < k1; k += 64) {
+        chunk_vbmi<MR, NR, true>(dec, w, pf, k, tail_mask64(k1 - k), xp, ldp, acc_a, acc_b);
       }
     }
     for (int r = 0; r < NR; ++r) {
       const __m512 s = _mm512_set1_ps(scale[r][kb]);
-      for (int m = 0; m < MR; ++m) total[m][r] = _mm512_fmadd_ps(acc[m][r], s, total[m][r]);
+      for (int m = 0; m < MR; ++m) {
+        total[m][r] = _mm512_fmadd_ps(_mm512_add_ps(acc_a[m][r], acc_b[m][r]), s, total[m][r]);
+      }
     }
   }
   for (int m = 0; m < MR; ++m) {
@@ -212,12 +228,25 @@ MLAFX_VBMI void tile_vbmi(const Fp8Weight& W, const Decoder& dec, int64_t n, con
   }
 }
 
+template <int MR, int NR, int kBlock>
+MLAFX_VBMI void rows_vbmi_block(const Fp8Weight& W, const Decoder& dec, const uint16_t* xp,
+                                int64_t ldp, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+  const int64_t pf = prefetch_rows<NR>(W.ldw) * W.ldw;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    tile_vbmi<MR, NR, kBlock>(W, dec, n, pf, xp, ldp, out + n - n0, ldo);
+  }
+  for (; n < n1; ++n) tile_vbmi<MR, 1, kBlock>(W, dec, n, pf, xp, ldp, out + n - n0, ldo);
+}
+
 template <int MR, int NR>
 MLAFX_VBMI void rows_vbmi(const Fp8Weight& W, const Decoder& dec, const uint16_t* xp, int64_t ldp,
                           int64_t n0, int64_t n1, float* out, int64_t ldo) {
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile_vbmi<MR, NR>(W, dec, n, xp, ldp, out + n - n0, ldo);
-  for (; n < n1; ++n) tile_vbmi<MR, 1>(W, dec, n, xp, ldp, out + n - n0, ldo);
+  if (W.block_k == 128) {
+    rows_vbmi_block<MR, NR, 128>(W, dec, xp, ldp, n0, n1, out, ldo);
+  } else {
+    rows_vbmi_block<MR, NR, 0>(W, dec, xp, ldp, n0, n1, out, ldo);
+  }
 }
 
 // M <= 8 rows of x.
@@ -228,9 +257,9 @@ MLAFX_VBMI void fp8_dot_vbmi(const Fp8Weight& W, const Fp8Rows& x, int64_t M, in
   const Decoder dec(byte_tables());
   const uint16_t* p = xp.data();
   switch (M) {
-    case 1: return rows_vbmi<1, 2>(W, dec, p, ldp, n0, n1, out, ldo);
+    case 1: return rows_vbmi<1, 4>(W, dec, p, ldp, n0, n1, out, ldo);
     case 2: return rows_vbmi<2, 2>(W, dec, p, ldp, n0, n1, out, ldo);
-    case 3: return rows_vbmi<3, 1>(W, dec, p, ldp, n0, n1, out, ldo);
+    case 3: return rows_vbmi<3, 2>(W, dec, p, ldp, n0, n1, out, ldo);
     case 4: return rows_vbmi<4, 1>(W, dec, p, ldp, n0, n1, out, ldo);
     case 5: return rows_vbmi<5, 1>(W, dec, p, ldp, n0, n1, out, ldo);
     case 6: return rows_vbmi<6, 1>(W, dec, p, ldp, n0, n1, out, ldo);
@@ -243,8 +272,12 @@ MLAFX_VBMI void fp8_dot_vbmi(const Fp8Weight& W, const Fp8Rows& x, int64_t M, in
 
 void fp8_dot_bf16(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
                   float* out, int64_t ldo) {
-  if (x.tiles != nullptr && W.block_k % 64 == 0) {
-    fp8_dot_amx(W, x, M, n0, n1, out, ldo);
+  if (x.tiles != nullptr) {
+    if (fp8_tiles_are_amx(W.block_k)) {
+      fp8_dot_amx(W, x, M, n0, n1, out, ldo);
+    } else {
+      fp8_dot_pairs(W, x, M, n0, n1, out, ldo);
+    }
     return;
   }
   if (M <= 8 && W.block_k % 64 == 0 && use_avx512_vbmi()) {

@@ -54,26 +54,40 @@ void Fp8Activations::stage_tiles(int64_t block_k) {
 }
 
 bool fp8_uses_tiles(int64_t M, int64_t block_k) {
-  return (M >= kFp8TileMinRows || (M > 0 && batch_invariant())) && block_k % 64 == 0 &&
-         use_amx_bf16() && use_avx512_vbmi();
+  if (fp8_tiles_are_amx(block_k)) {
+    return M >= kFp8TileMinRows || (M > 0 && batch_invariant());
+  }
+  return M >= kFp8PairsMinRows && use_avx512_bf16() && !batch_invariant();
 }
 
-at::Tensor empty_tiles(int64_t M, int64_t K) {
-  at::Tensor tiles = at::empty({avx512::fp8_tile_elements(M, K)}, at::kShort);
+at::Tensor empty_tiles(int64_t M, int64_t K, int64_t block_k) {
+  const int64_t elements = fp8_tiles_are_amx(block_k) ? avx512::fp8_tile_elements(M, K)
+                                                      : avx512::fp8_pair_elements(M, K);
+  at::Tensor tiles = at::empty({elements}, at::kShort);
   // ATen's CPU allocator aligns to 64 bytes: the tiles' rows never straddle two lines
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(tiles.data_ptr()) % 64 == 0);
   return tiles;
+}
+
+void stage_rows(const Fp8Rows& x, int64_t M, int64_t K, int64_t block_k, uint16_t* tiles) {
+  if (fp8_tiles_are_amx(block_k)) {
+    mlafx::parallel_chunks(0, (M + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
+      avx512::fp8_stage_tiles(x.bf16, x.ld, K, b0 * 16, std::min(M, b1 * 16), tiles);
+    });
+    return;
+  }
+  const int64_t panels = (M + avx512::kFp8PanelRows - 1) / avx512::kFp8PanelRows;
+  mlafx::parallel_chunks(0, panels, 1, [&](int64_t q0, int64_t q1) {
+    avx512::fp8_stage_pairs(x.bf16, x.ld, K, M, q0, q1, tiles);
+  });
 }
 
 at::Tensor stage_tiles(const Fp8Rows& x, int64_t M, int64_t K, int64_t block_k) {
   if (x.bf16 == nullptr || !fp8_uses_tiles(M, block_k) || K == 0) {
     return {};
   }
-  at::Tensor tiles = empty_tiles(M, K);
-  auto* data = reinterpret_cast<uint16_t*>(tiles.data_ptr<int16_t>());
-  mlafx::parallel_chunks(0, (M + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
-    avx512::fp8_stage_tiles(x.bf16, x.ld, K, b0 * 16, std::min(M, b1 * 16), data);
-  });
+  at::Tensor tiles = empty_tiles(M, K, block_k);
+  stage_rows(x, M, K, block_k, reinterpret_cast<uint16_t*>(tiles.data_ptr<int16_t>()));
   return tiles;
 }
 

@@ -67,10 +67,10 @@ struct Fp8Stacks {
   }
   int64_t row_grain(int64_t K) const { return fp8_row_grain(K); }
   bool uses_tiles(int64_t M) const { return fp8_uses_tiles(M, block_k); }
-  at::Tensor empty_staging(int64_t M, int64_t K) const { return empty_tiles(M, K); }
+  at::Tensor empty_staging(int64_t M, int64_t K) const { return empty_tiles(M, K, block_k); }
   void stage(Fp8Activations& a) const { a.stage_tiles(block_k); }
   void stage_rows(const Fp8Rows& rows, int64_t M, int64_t K, uint16_t* tiles) const {
-    avx512::fp8_stage_tiles(rows.bf16, rows.ld, K, 0, M, tiles);
+    mlafx::stage_rows(rows, M, K, block_k, tiles);
   }
 };
 
