@@ -1,8 +1,9 @@
 """mlafx::batched_matmul against float64 bmm: the few-row streaming kernel that decode's
 absorbed products take on AVX-512 BF16 CPUs (batched_matmul_avx512.cpp, up to 4 rows per head
 of bf16 / fp16), the tile kernel on AMX CPUs (batched_matmul_amx_avx512.cpp, bf16 at 5-16
-rows) and ATen's bmm above them, on the default path here and, each in a child process, the
-portable one and AVX-512 without AMX.
+rows), the pairs kernel on AVX-512 BF16 CPUs without AMX (batched_matmul_pairs_avx512.cpp, bf16
+at 5-8 rows) and ATen's bmm above them, on the default path here and, each in a child process,
+the portable one and AVX-512 without AMX.
 
 Bound: the fp32 sums err by at most ``sum |x| |w| * K * 2^-24`` (far below a wrong element,
 which is off by whole percents) and the one rounding to x's dtype by half an ulp (2^-8 bf16,
@@ -62,12 +63,13 @@ def test_matches_fp64_bmm(heads, m, k, n, dtype, strided, seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_shapes_and_row_independence(dtype):
-    """V2-Lite's W_UK and W_UV^T products at 1-4 rows (streaming), 5-16 (tiles on AMX) and 17
-    (ATen). Where one of our kernels runs, a row's result does not depend on the call's other
-    rows, bitwise: each row alone (streaming), or the first 5 rows of the call (tiles) (ATen's
-    bmm promises no such thing)."""
+    """V2-Lite's W_UK and W_UV^T products at 1-4 rows (streaming), 5-16 (tiles on AMX; 5-8 the
+    pairs kernel without) and 17 (ATen). Where one of our kernels runs, a row's result does not
+    depend on the call's other rows, bitwise: each row alone (streaming), or the first 5 rows of
+    the call (tiles, pairs) (ATen's bmm promises no such thing)."""
     streams = cpu_isa() in ("avx512_amx", "avx512_bf16")
     tiles = cpu_isa() == "avx512_amx" and dtype == torch.bfloat16
+    pairs = cpu_isa() == "avx512_bf16" and dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(1)
     for k, n in ((128, 512), (512, 128)):
         w = (torch.randn(16, k, n, generator=gen) / k**0.5).to(dtype)
@@ -78,13 +80,13 @@ def test_decode_shapes_and_row_independence(dtype):
             if streams and m <= 4:
                 for r in range(m):
                     assert torch.equal(out[:, r : r + 1], batched_matmul(x[:, r : r + 1], w))
-            if tiles and 5 < m <= 16:
+            if (tiles and 5 < m <= 16) or (pairs and 5 < m <= 8):
                 assert torch.equal(out[:, :5], batched_matmul(x[:, :5], w))
 
 
 @pytest.mark.parametrize("disable", ["MLAFX_DISABLE_AVX512", "MLAFX_DISABLE_AMX"])
 def test_other_paths_in_a_child(disable):
-    """The portable path, and AVX-512 without tiles (the streaming kernel and ATen only)."""
+    """The portable path, and AVX-512 without tiles (the streaming and pairs kernels, ATen)."""
     if os.environ.get("MLAFX_BMM_CHILD"):
         pytest.skip("inside the child run")
     if disable == "MLAFX_DISABLE_AMX" and cpu_isa() != "avx512_amx":

@@ -6,7 +6,9 @@
 //     most kBatchedMatmulStreamRows rows per head (decode) on AVX-512 BF16 CPUs: the streaming
 //     kernel of batched_matmul_avx512.cpp (fp32 sums, one rounding), up to 1.8x ATen's there;
 //     bf16 with kBatchedMatmulAmxMinRows..16 rows on AMX-BF16 CPUs: the tile kernel of
-//     batched_matmul_amx_avx512.cpp (the same sums and rounding).
+//     batched_matmul_amx_avx512.cpp (the same sums and rounding); on AVX-512 BF16 CPUs without
+//     AMX, bf16 with kBatchedMatmulPairsMinRows..8 rows: the pairs kernel of
+//     batched_matmul_pairs_avx512.cpp (VDPBF16PS, fp32 sums, one rounding).
 //
 // In batch-invariant mode (batch_invariant.h), bf16 on AMX-BF16 CPUs takes the tile kernels
 // at every row count (up to 16 rows the few-row one, past it the many-rows one, which stages
@@ -47,7 +49,7 @@ BmmArgs bmm_args(const at::Tensor& x, const at::Tensor& wc, at::Tensor& out) {
 }
 
 // Which of batched_matmul.h's kernels runs a call.
-enum class BmmKernel { kStream, kAmx, kAmxBlocks };
+enum class BmmKernel { kStream, kPairs, kAmx, kAmxBlocks };
 
 // batched_matmul.h's kernels on 16-bit x and w.
 at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, BmmKernel kernel) {
@@ -74,6 +76,12 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, BmmKernel kernel
         ScratchVector<uint16_t> scratch(
             static_cast<size_t>(avx512::batched_matmul_amx_blocks_scratch(args)));
         avx512::batched_matmul_heads_amx_blocks(args, begin, end, scratch.data());
+      });
+      break;
+    case BmmKernel::kPairs:
+      parallel_chunks(0, B * batched_matmul_col_items(N), 1, [&](int64_t begin, int64_t end) {
+        ScratchVector<uint16_t> xs(static_cast<size_t>(avx512::batched_matmul_pairs_scratch(args)));
+        avx512::batched_matmul_items_pairs(args, begin, end, xs.data());
       });
       break;
     case BmmKernel::kStream:
@@ -114,6 +122,10 @@ at::Tensor batched_matmul(const at::Tensor& x,  // [B, M, K]
     }
     if (M <= kBatchedMatmulStreamRows) {
       return run_kernel(x, w, BmmKernel::kStream);
+    }
+    if (!amx && x.scalar_type() == at::kBFloat16 && M >= kBatchedMatmulPairsMinRows &&
+        M <= kBatchedMatmulPairsMaxRows) {
+      return run_kernel(x, w, BmmKernel::kPairs);
     }
   }
   const at::Tensor w_mm = widen ? w.to(at::kFloat) : w;
