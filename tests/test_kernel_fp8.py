@@ -127,6 +127,21 @@ def test_pairs_path_edges(m, n, k, block, seed):
     _assert_within_bound(linear_fp8(x, w, s, block), x, w, s, block)
 
 
+def test_pairs_rows_do_not_depend_on_the_call():
+    """The pairs GEMM (block_k 96 is not the AMX tiles' on any CPU) gives a row the same bits
+    at 9 rows and at 97 (its sums run in one order for any row count from 9): its dispatch and
+    its staging are seen, not only its error bound."""
+    if cpu_isa() not in ("avx512_bf16", "avx512_amx"):
+        pytest.skip("the pairs GEMM needs AVX-512 BF16")
+    gen = torch.Generator().manual_seed(9)
+    n, k, block = 130, 300, (48, 96)
+    w, s = _weight(n, k, gen), _scale(n, k, block, gen)
+    x = _rows(97, k, torch.bfloat16, gen)
+    many, few = linear_fp8(x, w, s, block), linear_fp8(x[:9].clone(), w, s, block)
+    assert torch.equal(many[:9], few)
+    _assert_within_bound(many, x, w, s, block)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("m", [1, 8, 32, 33, 1024])
 def test_rows_and_partial_blocks(m, dtype):

@@ -91,7 +91,8 @@ void fp8_stage_tiles(const uint16_t* x, int64_t ldx, int64_t K, int64_t m0, int6
                      uint16_t* tiles);
 
 // The pairs GEMM (fp8_pairs_avx512.cpp): fp8_dot's contract for M bf16 rows staged in x.tiles
-// by fp8_stage_pairs; for CPUs with AVX-512 BF16 and no AMX, at kFp8PairsMinRows rows and more.
+// by fp8_stage_pairs; at kFp8PairsMinRows rows and more where !fp8_tiles_are_amx(block_k) (no
+// AMX, or block_k not a multiple of 64, or VBMI off).
 // Call only when use_avx512_bf16().
 void fp8_dot_pairs(const Fp8Weight& w, const Fp8Rows& x, int64_t M, int64_t n0, int64_t n1,
                    float* out, int64_t ldo);

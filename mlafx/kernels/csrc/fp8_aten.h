@@ -71,8 +71,8 @@ Fp8Weight fp8_view(const uint8_t* w, const float* scale, int64_t K, int64_t bloc
                    int64_t block_k);
 
 // Rows of x from which the products dequantize the weight to fp32 and run an fp32 GEMM, unless
-// the rows are staged for the AMX kernel or the mode is batch-invariant (the GEMM's sums follow
-// the batch's shape).
+// the rows are staged for a tile kernel (AMX or pairs: every bf16 row of x on AVX-512 BF16
+// CPUs) or the mode is batch-invariant (the GEMM's sums follow the batch's shape).
 constexpr int64_t kFp8GemmRows = 64;
 bool fp8_uses_gemm(int64_t M, const Fp8Rows& x);
 

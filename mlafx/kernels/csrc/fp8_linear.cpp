@@ -186,9 +186,9 @@ int64_t fp8_row_grain(int64_t K) {
 
 namespace {
 
-// Many rows of x: the weight dequantized to fp32 a tile of rows at a time (w * s, rounded once:
-// a relative 2^-24 per weight) and multiplied by an fp32 GEMM (at::mm: MKL/oneDNN), which
-// runs 3-4x faster than VDPBF16PS with the per-call widening at 1024 rows.
+// Many fp32 rows of x (fp16/fp32 activations, or CPUs without AVX-512 BF16): the weight
+// dequantized to fp32 a tile of rows at a time (w * s, rounded once: a relative 2^-24 per
+// weight) and multiplied by an fp32 GEMM (at::mm: MKL/oneDNN). bf16 rows take the tile kernels.
 constexpr int64_t kGemmTileRows = 1024;
 
 // x rows as an fp32 [M, K] tensor (a view of the fp32 rows, else a widened copy).
@@ -295,9 +295,11 @@ constexpr int64_t kScratchFloats = 64 << 10;  // 256 KB per thread
 template <typename scalar_t>
 void run_range(const Fp8Weight& w, const Fp8Activations& xa, int64_t M, int64_t N, int64_t n0,
                int64_t n1, scalar_t* out) {
-  // whole 16-row tiles (the AMX kernel's)
+  // whole 16-row tiles (the AMX kernel's); at least a 64-row chunk of the pairs GEMM, which
+  // streams all of the staged x once per call
+  const int64_t least = xa.tiles.defined() && !fp8_tiles_are_amx(w.block_k) ? 64 : 16;
   const int64_t step =
-      std::clamp<int64_t>(kScratchFloats / std::max<int64_t>(M, 1), 16, 1024) / 16 * 16;
+      std::clamp<int64_t>(kScratchFloats / std::max<int64_t>(M, 1), least, 1024) / 16 * 16;
   ScratchVector<float> scratch(static_cast<size_t>(M * std::min(step, n1 - n0)));
   const Fp8Rows x = xa.view();
   for (int64_t s0 = n0; s0 < n1; s0 += step) {

@@ -10,7 +10,8 @@
 // vectors of x rows per register tile (MV * NR >= 16 independent chains: VDPBF16PS has a
 // latency of several cycles and issues up to twice a cycle). After each k block the tile's sums
 // are scaled by each row's block scale once and added into fp32 totals. Every output's sums run
-// in the same order whatever M is (a row's lane never meets another row).
+// in the same order for any M >= kFp8PairsMinRows (a row's lane never meets another row); up to
+// 8 rows the VBMI kernel sums in another order.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -51,11 +52,19 @@ void widen_rows(const Fp8Weight& W, int64_t n0, int64_t n1, int64_t rows, uint16
   std::memset(dst + (n1 - n0) * ld, 0, static_cast<size_t>((rows - (n1 - n0)) * ld) * 2);
 }
 
+// The next chunk's weight bytes, prefetched into L2 one line per pair of a tile while the
+// current chunk computes (widening it later then reads from L2, not from memory).
+struct NextChunk {
+  const char* at;
+  const char* end;
+};
+
 // NR widened weight rows (stride ldw) x MV vectors of one panel of x: fp32 totals
 // tot[r][v][16] (64-byte aligned), each k block's sums scaled by scale[r][kb] once.
 template <int NR, int MV>
 void pairs_tile(const uint16_t* w, int64_t ldw, const float* const* scale, int64_t P,
-                int64_t block_pairs, const uint16_t* panel, float* tot) {
+                int64_t block_pairs, const uint16_t* panel, float* tot, NextChunk& next) {
+  const char* ahead = next.at;  // a local: tot's stores may alias a char pointer in memory
   for (int i = 0; i < NR * MV; ++i) _mm512_store_ps(tot + 16 * i, _mm512_setzero_ps());
   for (int64_t p0 = 0, kb = 0; p0 < P; p0 += block_pairs, ++kb) {
     const int64_t p1 = std::min(P, p0 + block_pairs);
@@ -64,6 +73,10 @@ void pairs_tile(const uint16_t* w, int64_t ldw, const float* const* scale, int64
       for (int v = 0; v < MV; ++v) acc[r][v] = _mm512_setzero_ps();
     }
     for (int64_t p = p0; p < p1; ++p) {
+      if (ahead < next.end) {
+        _mm_prefetch(ahead, _MM_HINT_T1);
+        ahead += 64;
+      }
       __m512i xv[MV];
       for (int v = 0; v < MV; ++v) {
         xv[v] = _mm512_load_si512(panel + (p * kFp8PanelRows + v * 16) * 2);
@@ -85,6 +98,7 @@ void pairs_tile(const uint16_t* w, int64_t ldw, const float* const* scale, int64
       }
     }
   }
+  next.at = ahead;
 }
 
 // Weight rows [c0, c1) (widened at w) against one panel of `rows` rows of x (panel row 0 is
@@ -92,7 +106,7 @@ void pairs_tile(const uint16_t* w, int64_t ldw, const float* const* scale, int64
 template <int NR, int MV>
 void panel_rows(const Fp8Weight& W, const uint16_t* w, int64_t ldw, int64_t c0, int64_t c1,
                 const uint16_t* panel, int64_t m0, int64_t rows, int64_t n0, float* out,
-                int64_t ldo) {
+                int64_t ldo, NextChunk& next) {
   alignas(64) float tot[NR * MV * 16];
   const int64_t P = pair_count(W.K), block_pairs = W.block_k / 2;
   for (int64_t t0 = c0; t0 < c1; t0 += NR) {
@@ -100,7 +114,7 @@ void panel_rows(const Fp8Weight& W, const uint16_t* w, int64_t ldw, int64_t c0, 
     for (int r = 0; r < NR; ++r) {  // rows past c1 are zero: any valid scale row will do
       scale[r] = W.scale + (std::min(t0 + r, c1 - 1) / W.block_n) * W.lds;
     }
-    pairs_tile<NR, MV>(w + (t0 - c0) * ldw, ldw, scale, P, block_pairs, panel, tot);
+    pairs_tile<NR, MV>(w + (t0 - c0) * ldw, ldw, scale, P, block_pairs, panel, tot, next);
     const int64_t nr = std::min<int64_t>(NR, c1 - t0);
     for (int64_t i = 0; i < rows; ++i) {
       float* dst = out + (m0 + i) * ldo + t0 - n0;
@@ -142,16 +156,19 @@ void fp8_dot_pairs(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, 
     const int64_t c1 = std::min(n1, c0 + kChunkRows);
     const int64_t rows16 = (c1 - c0 + 15) / 16 * 16;
     widen_rows(W, c0, c1, rows16, widened.data(), ldw);
+    const int64_t n2 = std::min(n1, c1 + kChunkRows);
+    NextChunk next{reinterpret_cast<const char*>(W.w + c1 * W.ldw),
+                   reinterpret_cast<const char*>(W.w + (n2 - 1) * W.ldw + W.K)};
     for (int64_t m0 = 0; m0 < M; m0 += kFp8PanelRows) {
       const int64_t rows = std::min(kFp8PanelRows, M - m0);
       const uint16_t* panel = x.tiles + (m0 / kFp8PanelRows) * P * kFp8PanelRows * 2;
       const uint16_t* w = widened.data();
       if (rows > 32) {
-        panel_rows<8, 3>(W, w, ldw, c0, c1, panel, m0, rows, n0, out, ldo);
+        panel_rows<8, 3>(W, w, ldw, c0, c1, panel, m0, rows, n0, out, ldo, next);
       } else if (rows > 16) {
-        panel_rows<8, 2>(W, w, ldw, c0, c1, panel, m0, rows, n0, out, ldo);
+        panel_rows<8, 2>(W, w, ldw, c0, c1, panel, m0, rows, n0, out, ldo, next);
       } else {
-        panel_rows<16, 1>(W, w, ldw, c0, c1, panel, m0, rows, n0, out, ldo);
+        panel_rows<16, 1>(W, w, ldw, c0, c1, panel, m0, rows, n0, out, ldo, next);
       }
     }
   }

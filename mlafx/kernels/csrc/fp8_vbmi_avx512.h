@@ -5,7 +5,7 @@
 // VPERMT2B looks up 64 bytes at once in a 128-byte table (index bits 0..6: the magnitude),
 // so the high and the low byte of each bf16 are one lookup each, the sign one VPTERNLOG, and
 // two byte unpacks interleave them into 2 x 32 bf16: 5 instructions per 64 weights against 20
-// for the arithmetic decoding (e4m3_to_bf16 in fp8_dot_avx512.cpp). The unpacks work within
+// for the arithmetic decoding (e4m3_to_bf16 in fp8_bf16_avx512.h). The unpacks work within
 // 128-bit lanes, so the 64 columns come out as A = [0..7, 16..23, 32..39, 48..55] and
 // B = [8..15, 24..31, 40..47, 56..63]; the rows of x are permuted the same way once per call
 // (permuted_rows, fp8_stage_tiles), and dot products do not care about the order of their
