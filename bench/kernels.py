@@ -32,6 +32,7 @@ CASE_MODULES: list[str] = [
     "bench.kernel_cases.fp8_gemm",
     "bench.kernel_cases.fp4_moe",
     "bench.kernel_cases.attention",
+    "bench.kernel_cases.absorbed_products",
     "bench.kernel_cases.dsa",
     "bench.kernel_cases.v4_attention",
     "bench.kernel_cases.v4_compressor",
