@@ -11,24 +11,18 @@ with --quick).
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import torch
 
 import mlafx.kernels as K
+from bench.kernel_cases.quant_gemm import _copies, _rotating
 from bench.kernel_cases.row import Row, make_row
 from bench.roofline import Roofline, median_seconds
 
-COLD_BYTES = 512 << 20
 HEADS = 16
 PRODUCTS = [("q_nope W_UK", 128, 512), ("out W_UV^T", 512, 128)]  # name, K, N
 ROWS = [1, 4, 8, 16]
-
-
-def _rotating(fn, sets):
-    cycle = itertools.cycle(sets)
-    return lambda: fn(next(cycle))
 
 
 def run(roofline: Roofline, *, quick: bool, threads: list[int]) -> list[Row]:
@@ -37,8 +31,7 @@ def run(roofline: Roofline, *, quick: bool, threads: list[int]) -> list[Row]:
     rows = []
     for name, k, n in PRODUCTS:
         w = (torch.randn(HEADS, k, n, generator=gen) / k**0.5).bfloat16()
-        copies = 1 if quick else -(-COLD_BYTES // w.nbytes)
-        weights = [w.clone() for _ in range(copies)]
+        weights = [(w.clone(),) for _ in range(_copies(w.nbytes, quick))]
         for m in ROWS:
             x = torch.randn(HEADS, m, k, generator=gen).bfloat16()
             for t in threads:
