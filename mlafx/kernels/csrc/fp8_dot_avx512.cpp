@@ -5,8 +5,10 @@
 //
 // Register tiles: MR rows of x by NR rows of W share each converted weight vector and each
 // loaded activation vector. Few rows of x (decode) take several weight rows at once for
-// independent accumulator chains; many rows (prefill) convert a tile of weight rows to a
-// bf16 scratch once and reuse it for every group of 8 rows of x.
+// independent accumulator chains. Staged rows go to the AMX tiles or the pairs GEMM
+// (fp8_pairs_avx512.cpp); more than 8 unstaged rows (batch-invariant mode without VBMI's
+// kernel) convert a tile of weight rows to a bf16 scratch once and reuse it for every group of
+// 8 rows of x.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -288,22 +290,13 @@ void fp8_dot_bf16(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, i
     rows_bf16_few(M, W, x.bf16, x.ld, n0, n1, out, ldo);
     return;
   }
-  // 64-byte aligned rows, a whole number of lines apart but not 4 KB apart (split loads and
-  // L1 set conflicts measured 2-4x slower)
-  int64_t kpad = (W.K + 31) / 32 * 32;
-  if ((kpad * 2) % 4096 == 0) {
-    kpad += 32;
-  }
+  // 64-byte aligned rows, a whole number of lines apart but not 4 KB apart
+  const int64_t kpad = widened_ld(W.K);
   AlignedBuffer converted(static_cast<size_t>(kTileRows * kpad));
   for (int64_t t0 = n0; t0 < n1; t0 += kTileRows) {
     const int64_t t1 = std::min(n1, t0 + kTileRows);
     for (int64_t n = t0; n < t1; ++n) {
-      const uint8_t* src = W.w + n * W.ldw;
-      uint16_t* dst = converted.data() + (n - t0) * kpad;
-      for (int64_t k = 0; k < W.K; k += 32) {
-        const __mmask32 mask = first_lanes32(W.K - k);
-        _mm512_mask_storeu_epi16(dst + k, mask, e4m3_to_bf16(_mm256_maskz_loadu_epi8(mask, src + k)));
-      }
+      widen_row(W.w + n * W.ldw, W.K, converted.data() + (n - t0) * kpad);
     }
     for (int64_t n = t0; n < t1; ++n) {
       const WeightRows<1, true> rows = rows_at<1, true>(W, n, converted.data() + (n - t0) * kpad, 0);

@@ -31,24 +31,11 @@ constexpr int64_t kChunkRows = 64;  // weight rows widened at once (64 x 2 KB x 
 
 int64_t pair_count(int64_t K) { return (K + 1) / 2; }
 
-// bf16 elements per widened weight row: whole 64-byte lines, not a multiple of 4 KB apart
-int64_t widened_ld(int64_t K) {
-  int64_t ld = (2 * pair_count(K) + 31) / 32 * 32;
-  if ((ld * 2) % 4096 == 0) ld += 32;
-  return ld;
-}
-
-// Rows [n0, n1) of W as bf16 into dst (row stride ld), zero past K; rows up to `rows` zeroed.
-void widen_rows(const Fp8Weight& W, int64_t n0, int64_t n1, int64_t rows, uint16_t* dst,
-                int64_t ld) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* src = W.w + n * W.ldw;
-    uint16_t* row = dst + (n - n0) * ld;
-    for (int64_t k = 0; k < ld; k += 32) {
-      const __mmask32 mask = k < W.K ? first_lanes32(W.K - k) : 0;
-      _mm512_store_si512(row + k, e4m3_to_bf16(_mm256_maskz_loadu_epi8(mask, src + k)));
-    }
-  }
+// Rows [n0, n1) of W as bf16 into dst (row stride widened_ld(K)), zero past K; rows up to
+// `rows` zeroed.
+void widen_rows(const Fp8Weight& W, int64_t n0, int64_t n1, int64_t rows, uint16_t* dst) {
+  const int64_t ld = widened_ld(W.K);
+  for (int64_t n = n0; n < n1; ++n) widen_row(W.w + n * W.ldw, W.K, dst + (n - n0) * ld);
   std::memset(dst + (n1 - n0) * ld, 0, static_cast<size_t>((rows - (n1 - n0)) * ld) * 2);
 }
 
@@ -155,7 +142,7 @@ void fp8_dot_pairs(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, 
   for (int64_t c0 = n0; c0 < n1; c0 += kChunkRows) {
     const int64_t c1 = std::min(n1, c0 + kChunkRows);
     const int64_t rows16 = (c1 - c0 + 15) / 16 * 16;
-    widen_rows(W, c0, c1, rows16, widened.data(), ldw);
+    widen_rows(W, c0, c1, rows16, widened.data());
     const int64_t n2 = std::min(n1, c1 + kChunkRows);
     NextChunk next{reinterpret_cast<const char*>(W.w + c1 * W.ldw),
                    reinterpret_cast<const char*>(W.w + (n2 - 1) * W.ldw + W.K)};
