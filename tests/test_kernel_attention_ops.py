@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from attention_cases import make_paged, make_varlen
+from cpu_flags import has_avx2
 
 from mlafx.kernels import (
     cpu_isa,
@@ -203,6 +204,8 @@ _PORTABLE_SUBSET = [
 def test_portable_path_is_active():
     expected = "portable" if _AVX512_DISABLED else cpu_isa()
     assert cpu_isa() == expected
+    if os.environ.get("MLAFX_AVX2_ONLY", "") not in ("", "0"):
+        assert cpu_isa() == ("avx2" if has_avx2() else "portable")
 
 
 def _run_subset_in_child(env_overrides: dict[str, str]) -> None:
@@ -230,6 +233,15 @@ def test_avx512_path_without_tiles_passes_subset():
     # On an AMX machine the bf16 attention ops run on tiles; the AVX-512 core is what CPUs
     # without AMX run, so it gets the same subset.
     _run_subset_in_child({"MLAFX_DISABLE_AMX": "1"})
+
+
+@pytest.mark.skipif(
+    not (cpu_isa().startswith("avx512") and has_avx2()),
+    reason="this run already uses the AVX2 core (or the CPU lacks it)",
+)
+def test_avx2_path_passes_subset():
+    # On an AVX-512 machine the AVX2 core is what CPUs without AVX-512 run.
+    _run_subset_in_child({"MLAFX_AVX2_ONLY": "1"})
 
 
 def test_vectorised_and_portable_agree_on_deepseek_decode(tmp_path):

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from cpu_flags import has_avx2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -290,10 +291,13 @@ print("ok")
     [
         ("portable", {"MLAFX_DISABLE_AVX512": "1"}),
         ("avx512_bf16", {"MLAFX_DISABLE_AMX": "1"}),  # the FMA kernel of CPUs without AMX
+        ("avx2", {"MLAFX_AVX2_ONLY": "1"}),  # what CPUs without AVX-512 run
     ],
 )
 def test_other_paths_match_reference(isa, env_overrides):
-    if isa != "portable" and cpu_isa() != "avx512_amx":
+    if isa == "avx512_bf16" and cpu_isa() != "avx512_amx":
+        pytest.skip("this run already uses that path (or the CPU lacks it)")
+    if isa == "avx2" and not (cpu_isa().startswith("avx512") and has_avx2()):
         pytest.skip("this run already uses that path (or the CPU lacks it)")
     env = {**os.environ, **env_overrides}
     result = subprocess.run(

@@ -20,6 +20,7 @@ import sys
 
 import pytest
 import torch
+from cpu_flags import cpu_flags, has_avx2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kquant_cases import Q, kquant_moe_case, kquant_weight
@@ -263,18 +264,7 @@ moe = [moe_experts_quantized(*args) for args in moe_cases]
 packed = [quantize_linear_weight(w, bits) for w, bits in weight_cases]
 torch.save((quant_cpu_isa(), out, moe, packed), sys.argv[2])
 """
-_ISA_ENV = ("MLAFX_DISABLE_AVX512", "MLAFX_DISABLE_AVX2")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+_ISA_ENV = ("MLAFX_DISABLE_AVX512", "MLAFX_DISABLE_AVX2", "MLAFX_DISABLE_AMX", "MLAFX_AVX2_ONLY")
 
 
 def _run_probe(tmp_path, name, **env_vars):
@@ -298,10 +288,11 @@ def _moe_case(T, D, inter, E, k, bits, gen):
 
 def test_best_path_is_bit_identical_to_portable(tmp_path):
     """The best kernel this CPU has (AVX-512 VNNI or AVX2; a child with no ISA variables)
-    against the portable one (MLAFX_DISABLE_AVX512=1): equal bit for bit, and within the
-    fp64 bound; the weight quantizer's packed bytes too. Shapes cover every row-tile
-    remainder (M mod 4), one row, prefill-sized M, odd K, N not a multiple of 16, several
-    weight chunks (K = 2048), strided rows."""
+    and the AVX2 tier alone (MLAFX_AVX2_ONLY=1, what a CPU without AVX-512 runs) against the
+    portable one (MLAFX_DISABLE_AVX512=1): equal bit for bit, and within the fp64 bound; the
+    weight quantizer's packed bytes too. Shapes cover every row-tile remainder (M mod 4), one
+    row, prefill-sized M, odd K, N not a multiple of 16, several weight chunks (K = 2048),
+    strided rows."""
     gen = torch.Generator().manual_seed(3)
     linear_cases = []
     shapes = [(1, 77, 33), (5, 64 + 13, 100), (6, 33, 17), (7, 96, 40), (8, 256, 17)]
@@ -353,30 +344,36 @@ def test_best_path_is_bit_identical_to_portable(tmp_path):
     )
     # where the CPU has AMX-INT8, the best path runs it from 32 / 48 rows; without it, VNNI alone
     _, no_amx, no_amx_moe, _ = _run_probe(tmp_path, "no_amx", MLAFX_DISABLE_AMX="1")
+    # the AVX2 tier alone, what a CPU without AVX-512 runs (on any CPU with AVX2)
+    avx2_isa, avx2, avx2_moe, avx2_packed = _run_probe(tmp_path, "avx2_only", MLAFX_AVX2_ONLY="1")
     assert portable_isa == "portable"
-    flags = _cpu_flags()
-    if {"avx2", "fma", "f16c"} <= flags:
+    flags = cpu_flags()
+    if has_avx2():
         assert isa in ("avx2", "avx512_vnni"), isa
+        assert avx2_isa == "avx2"
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c"} <= flags:
         assert isa == "avx512_vnni", isa
-    for (x, packed, n), out, out_vnni, expected in zip(
-        linear_cases, best, no_amx, portable, strict=True
+    for (x, packed, n), out, out_vnni, out_avx2, expected in zip(
+        linear_cases, best, no_amx, avx2, portable, strict=True
     ):
         assert torch.equal(out, expected), (isa, tuple(x.shape), n, packed.shape[-1])
         assert torch.equal(out_vnni, expected), ("no AMX", tuple(x.shape), n)
+        assert torch.equal(out_avx2, expected), ("AVX2 only", tuple(x.shape), n)
         _assert_within_bound(out, x, packed, n)
-    for args, out, out_vnni, expected in zip(
-        moe_cases, best_moe, no_amx_moe, portable_moe, strict=True
+    for args, out, out_vnni, out_avx2, expected in zip(
+        moe_cases, best_moe, no_amx_moe, avx2_moe, portable_moe, strict=True
     ):
         assert torch.equal(out, expected), (isa, tuple(args[0].shape))
         assert torch.equal(out_vnni, expected), ("no AMX", tuple(args[0].shape))
+        assert torch.equal(out_avx2, expected), ("AVX2 only", tuple(args[0].shape))
         reference = moe_experts_quantized_f64(*args)
         scale = max(reference.abs().max().item(), 1e-6)
         torch.testing.assert_close(out.double(), reference, atol=2e-2 * scale, rtol=2e-2)
-    for (weight, bits), ours, expected in zip(
-        weight_cases, best_packed, portable_packed, strict=True
+    for (weight, bits), ours, ours_avx2, expected in zip(
+        weight_cases, best_packed, avx2_packed, portable_packed, strict=True
     ):
         assert torch.equal(ours, expected), (isa, tuple(weight.shape), bits)
+        assert torch.equal(ours_avx2, expected), ("AVX2 only", tuple(weight.shape), bits)
     # and the in-process kernel (whatever this process's environment chose) agrees too
     for (x, packed, n), expected in zip(linear_cases[:4], portable, strict=False):
         assert torch.equal(linear_quantized(x, packed, n), expected), quant_cpu_isa()

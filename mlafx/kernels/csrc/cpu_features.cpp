@@ -35,7 +35,9 @@ bool env_flag(const char* name) {
 
 }  // namespace
 
-bool avx512_disabled_by_env() { return env_flag("MLAFX_DISABLE_AVX512"); }
+bool avx512_disabled_by_env() {
+  return env_flag("MLAFX_DISABLE_AVX512") || env_flag("MLAFX_AVX2_ONLY");
+}
 
 bool amx_disabled_by_env() { return env_flag("MLAFX_DISABLE_AMX"); }
 
@@ -136,7 +138,8 @@ bool cpu_supports_avx2() {
 }
 
 bool use_avx2() {
-  static const bool use = cpu_supports_avx2() && !avx512_disabled_by_env() && !avx2_disabled_by_env();
+  static const bool use =
+      cpu_supports_avx2() && !env_flag("MLAFX_DISABLE_AVX512") && !avx2_disabled_by_env();
   return use;
 }
 

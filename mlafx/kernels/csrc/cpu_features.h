@@ -12,8 +12,10 @@ namespace mlafx {
 // True iff the CPU and OS support AVX-512 F/BW/VL/DQ + BF16 (+ FMA).
 bool cpu_supports_avx512_bf16();
 
-// True iff MLAFX_DISABLE_AVX512 is set to a non-empty value other than "0". Lets tests and
-// users force the portable path on an AVX-512 machine.
+// True iff MLAFX_DISABLE_AVX512 or MLAFX_AVX2_ONLY is set to a non-empty value other than "0".
+// MLAFX_DISABLE_AVX512 lets tests and users force the portable path on an AVX-512 machine;
+// MLAFX_AVX2_ONLY keeps the AVX2 tier (use_avx2()) on, so an AVX-512 machine runs what a CPU
+// with AVX2 and no AVX-512 would.
 bool avx512_disabled_by_env();
 
 // The decision every kernel consults: hardware support and not disabled. Computed once per
@@ -43,7 +45,8 @@ bool cpu_supports_avx2();
 bool avx2_disabled_by_env();
 
 // cpu_supports_avx2() and neither MLAFX_DISABLE_AVX512 (which keeps meaning "the portable
-// path" for every op) nor MLAFX_DISABLE_AVX2 set; computed once per process. The
+// path" for every op) nor MLAFX_DISABLE_AVX2 set (MLAFX_AVX2_ONLY leaves it on); computed once
+// per process. The
 // `*_avx2.cpp` functions may only be called when this is true.
 bool use_avx2();
 
