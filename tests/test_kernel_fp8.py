@@ -18,9 +18,9 @@ import sys
 
 import pytest
 import torch
+from cpu_flags import has_avx2
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_kernel_quant import _cpu_flags
 
 from mlafx.kernels import cpu_isa, linear_fp8, moe_experts_fp8
 from mlafx.kernels.fp8_format import dequantize_fp8, quantize_fp8, scale_shape
@@ -168,12 +168,46 @@ def test_every_byte_decodes_exactly():
     assert (w[:, 0].float().abs().max() == 448) and (w[:, 0].float().abs().min() == 0)
 
 
-def test_nan_weight_poisons_its_row_only():
-    gen = torch.Generator().manual_seed(0)
-    w, s = _weight(4, 64, gen), _scale(4, 64, (128, 128), gen)
+def test_subnormal_bytes_survive_flush_denormal():
+    """With MXCSR's DAZ/FTZ set (torch.set_flush_denormal) the e4m3 subnormals still decode:
+    no path holds them as fp32 subnormals (the AVX2 kernel widens them from fp16
+    subnormals, which VCVTPH2PS converts whatever DAZ says)."""
+    subnormals = torch.tensor([m | sign for m in range(1, 8) for sign in (0, 0x80)])
+    w = subnormals.to(torch.uint8).unsqueeze(1).expand(-1, 64).contiguous()
+    w = w.view(torch.float8_e4m3fn)
+    s = torch.ones(scale_shape(w.shape[0], 64, (1, 32)))
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        out = linear_fp8(torch.ones(1, 64), w, s, (1, 32))[0]
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.equal(out, 64 * w[:, 0].float())
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_nan_weight_poisons_its_row_only(m):
+    """A NaN byte inside a whole 32-byte step and one in the partial last block: only those
+    rows are NaN, whatever tile of weight rows they were decoded with."""
+    gen = torch.Generator().manual_seed(m)
+    w, s = _weight(8, 200, gen), _scale(8, 200, (128, 128), gen)
     w.view(torch.uint8)[2, 10] = 0x7F
-    out = linear_fp8(torch.randn(3, 64, generator=gen).bfloat16(), w, s, (128, 128))
-    assert out[:, 2].isnan().all() and not out[:, [0, 1, 3]].isnan().any()
+    w.view(torch.uint8)[5, 195] = 0xFF
+    out = linear_fp8(torch.randn(m, 200, generator=gen).bfloat16(), w, s, (128, 128))
+    assert out[:, [2, 5]].isnan().all() and not out[:, [0, 1, 3, 4, 6, 7]].isnan().any()
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 9, 17])
+def test_long_rows_every_tile(m, block):
+    """Rows long enough that the few-rows kernels cut K into segments (the AVX2 kernel keeps
+    a segment of x's fp32 rows in L1) and weight rows in more than one chunk, with a partial
+    last block: every row count's tile against the float64 reference."""
+    gen = torch.Generator().manual_seed(10 + m)
+    n, k = 37, 1100
+    w, s = _weight(n, k, gen), _scale(n, k, block, gen)
+    x = _rows(m, k, torch.bfloat16, gen, "strided")
+    _assert_within_bound(linear_fp8(x, w, s, block), x, w, s, block)
 
 
 def test_quantizer_round_trips_within_e4m3():
@@ -340,8 +374,11 @@ torch.save((fp8_cpu_isa(), out, moe), sys.argv[2])
 """
 
 
+_ISA_VARIABLES = ("MLAFX_DISABLE", "MLAFX_AVX2_ONLY")
+
+
 def _run_probe(tmp_path, name, **env_vars):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLAFX_DISABLE")} | env_vars
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_ISA_VARIABLES)} | env_vars
     args = [sys.executable, "-c", _PROBE, str(tmp_path / "in.pt"), str(tmp_path / f"{name}.pt")]
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -353,8 +390,9 @@ def test_every_isa_path_within_the_bound(tmp_path):
     where the CPU has them), the AVX-512 one without AMX (VBMI up to 8 rows, the pairs GEMM
     from 9), the arithmetic decoding (MLAFX_DISABLE_VBMI=1), the one
     below AVX2 (MLAFX_DISABLE_AVX2=1: AVX-512 where the CPU has it, else portable) and the
-    portable one (MLAFX_DISABLE_AVX512=1) on the same cases: rows 1/8/32/33/1024, every
-    dtype, partial blocks, strided rows, both expert paths."""
+    portable one (MLAFX_DISABLE_AVX512=1), and the AVX2 tier alone (MLAFX_AVX2_ONLY=1: what a
+    CPU without AVX-512 runs, on any CPU with AVX2) on the same cases: rows 1/8/32/33/1024,
+    every dtype, partial blocks, strided rows, segmented long rows, both expert paths."""
     gen = torch.Generator().manual_seed(5)
     linear_cases = []
     for m in (1, 8, 32, 33, 1024):
@@ -362,6 +400,10 @@ def test_every_isa_path_within_the_bound(tmp_path):
             n, k, block = 150, 200, (128, 128)
             w, s = _weight(n, k, gen), _scale(n, k, block, gen)
             linear_cases.append((_rows(m, k, dtype, gen, "strided"), w, s, block))
+    for m in (1, 3, 4, 8):  # segments of K and chunks of weight rows (the AVX2 kernel's)
+        n, k, block = 37, 1100, (16, 32)
+        w, s = _weight(n, k, gen), _scale(n, k, block, gen)
+        linear_cases.append((_rows(m, k, torch.bfloat16, gen), w, s, block))
     moe_cases = [_moe_case(t, 200, 72, 4, 2, dtype, gen) for t in (1, 40) for dtype in FLOAT_DTYPES]
     torch.save((linear_cases, moe_cases), tmp_path / "in.pt")
     runs = {
@@ -369,15 +411,17 @@ def test_every_isa_path_within_the_bound(tmp_path):
         "no_amx": _run_probe(tmp_path, "no_amx", MLAFX_DISABLE_AMX="1"),
         "no_vbmi": _run_probe(tmp_path, "no_vbmi", MLAFX_DISABLE_VBMI="1"),
         "no_avx2": _run_probe(tmp_path, "no_avx2", MLAFX_DISABLE_AVX2="1"),
+        "avx2_only": _run_probe(tmp_path, "avx2_only", MLAFX_AVX2_ONLY="1"),
         "portable": _run_probe(tmp_path, "portable", MLAFX_DISABLE_AVX512="1"),
     }
     assert runs["portable"][0] == "portable"
+    assert runs["avx2_only"][0] == ("avx2" if has_avx2() else "portable")
     if cpu_isa() in ("avx512_bf16", "avx512_amx"):  # its paths, whatever AVX2 says
         assert runs["best"][0] in ("avx512_amx", "avx512_vbmi", "avx512_bf16")
         assert runs["no_avx2"][0] == runs["best"][0]
         assert runs["no_amx"][0] == runs["best"][0].replace("avx512_amx", "avx512_vbmi")
         assert runs["no_vbmi"][0] == "avx512_bf16"
-    elif {"avx2", "fma", "f16c"} <= _cpu_flags():
+    elif has_avx2():
         assert runs["best"][0] == "avx2" and runs["no_avx2"][0] == "portable"
     for _, out, moe in runs.values():
         for result, args in zip(out, linear_cases, strict=True):

@@ -1,20 +1,25 @@
 // The AVX2 kernels of fp8_dot and fp8_dequantize (fp8.h), for CPUs without AVX-512 BF16: e4m3
-// bytes widened to fp32 in registers, 8 at a time, and fp32 FMAs against fp32 activations.
+// bytes widened to fp32 in registers, 32 at a time, and fp32 FMAs against fp32 activations.
 // Each k block's 8-lane partial sums are scaled by the block's scale once (one FMA per block)
 // and reduced across lanes once per output.
 //
-// e4m3fn -> fp32 (exact): sign-extend each byte to 32 bits and shift it left by 20, so the sign
-// lands in bit 31 and the 4 exponent and 3 mantissa bits in bits 26..20: the fp32 number
-// 2^-120 * e4m3 (a normal e4m3 s.eeee.mmm is 2^(e-7) * 1.mmm, its fp32 image 2^(e-127) *
-// 1.mmm; the 7 subnormals m * 2^-9 become fp32 subnormals m * 2^-129). One multiply by 2^120
-// is then exact for every byte; 0x7F / 0xFF (NaN) are set to all-ones. 5 vector instructions
-// per 8 weights. Exact as long as the FPU keeps subnormal inputs (MXCSR.DAZ clear, the
-// default; torch.set_flush_denormal(True) would zero the e4m3 subnormals).
+// e4m3fn -> fp16 -> fp32 (exact): a byte s.eeee.mmm placed in a 16-bit lane as
+// s.0eeee.mmm0000000 is the fp16 number 2^-8 * e4m3 (fp16's exponent bias is 15, e4m3's 7, and
+// the e4m3 subnormals m * 2^-9 land on the fp16 subnormals m * 2^-17), which F16C's VCVTPH2PS
+// widens to fp32 exactly, 8 at a time. The 2^8 goes into the block scale (exact while the
+// scale is below 2^120). 32 bytes take two unpacks against zero (each byte into the high half
+// of a 16-bit lane), a shift right by 1 (arithmetic: the sign stays) and an AND clearing bit 14
+// (the sign's copy) per 16, two 128-bit extracts and four VCVTPH2PS. The lanes come out as
+// columns [0, 8), [16, 24), [8, 16), [24, 32) (the unpacks work within 128-bit halves); x is
+// read at those offsets. NaN (0x7F / 0xFF) would come out as the finite 1.875: each 32 bytes
+// are compared against it first (an AND, a compare and a test for all rows of a tile), and a
+// step holding a NaN byte is decoded by the table (e4m3_to_float), so it stays NaN.
 //
 // Tiles: MR rows of x by NR weight rows share each decoded weight vector and each loaded
 // activation vector. M <= 8 rows of x run in one tile per weight row group, so every weight
 // byte is decoded (and read) once; more rows run 8 at a time over a chunk of weight rows
-// small enough to stay in L2 between the groups.
+// small enough to stay in L2 between the groups. A row's sums run in the same order whatever
+// the tile, so its result does not depend on M.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -26,23 +31,39 @@
 namespace mlafx::avx2 {
 namespace {
 
-struct E4m3Decoder {
-  __m256i field = _mm256_set1_epi32(static_cast<int>(0x87F00000u));
-  __m256i magnitude = _mm256_set1_epi32(0x7F);
-  __m256 two_120 = _mm256_set1_ps(0x1p120f);
+// Columns of a step and the offset in x of each decoded vector's 8 columns.
+constexpr int64_t kStep = 32;
+constexpr int64_t kColumn[4] = {0, 16, 8, 24};
+constexpr float kFp16Bias = 256.0f;  // e4m3 = 2^8 * the decoded fp16 image
 
-  // 8 e4m3 bytes (the low 64 bits of `bytes`) -> 8 floats.
-  inline __m256 operator()(__m128i bytes) const {
-    const __m256i b = _mm256_cvtepi8_epi32(bytes);
-    const __m256i image = _mm256_and_si256(_mm256_slli_epi32(b, 20), field);
-    const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(image), two_120);
-    const __m256i nan = _mm256_cmpeq_epi32(_mm256_and_si256(b, magnitude), magnitude);
-    return _mm256_or_ps(v, _mm256_castsi256_ps(nan));
+struct E4m3Decoder {
+  __m256i magnitude = _mm256_set1_epi8(0x7F);
+  __m256i clear_bit14 = _mm256_set1_epi16(static_cast<int16_t>(0xBFFF));
+
+  // All-ones bytes where a byte is NaN.
+  inline __m256i nan_bytes(__m256i bytes) const {
+    return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, magnitude), magnitude);
+  }
+
+  // 32 e4m3 bytes without NaN -> 2^-8 times their values, columns kColumn[i] + [0, 8) in v[i].
+  inline void operator()(__m256i bytes, __m256 v[4]) const {
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i lo =
+        _mm256_and_si256(_mm256_srai_epi16(_mm256_unpacklo_epi8(zero, bytes), 1), clear_bit14);
+    const __m256i hi =
+        _mm256_and_si256(_mm256_srai_epi16(_mm256_unpackhi_epi8(zero, bytes), 1), clear_bit14);
+    v[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(lo));
+    v[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(lo, 1));
+    v[2] = _mm256_cvtph_ps(_mm256_castsi256_si128(hi));
+    v[3] = _mm256_cvtph_ps(_mm256_extracti128_si256(hi, 1));
   }
 };
 
-inline __m128i load8(const uint8_t* p) {
-  return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+// The decoder's contract for any 32 bytes, NaN included, by the table (the rare path).
+void decode_by_table(const uint8_t* bytes, __m256 v[4]) {
+  alignas(32) float values[kStep];
+  for (int64_t i = 0; i < kStep; ++i) values[i] = e4m3_to_float(bytes[i]) / kFp16Bias;
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_load_ps(values + kColumn[i]);
 }
 
 inline float hsum(__m256 v) {
@@ -51,72 +72,123 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-// Lanes [0, n) set, for the last (partial) 8 columns of a k block.
+// Lanes [0, n) set (none when n <= 0).
 inline __m256i lane_mask(int64_t n) {
   const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), index);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(n, 0, 8))),
+                            index);
 }
 
-// out[m * ldo + r] for m < MR, r < NR: x rows [MR, K] (row stride ldx) against weight rows
-// n .. n + NR - 1.
+// Weight rows per chunk: their bytes (16 x K) stay in L2 while the segments pass over them.
+constexpr int64_t kChunkRows = 16;
+// x bytes per segment of K: the MR rows' fp32 columns of one segment stay in L1 while the
+// chunk's weight rows pass over them (8 rows of a 2048-wide x are 64 KB, twice L1).
+constexpr int64_t kSegmentBytes = 16 << 10;
+
+// Columns of K per segment for MR rows of x: whole k blocks, all of K when it fits.
+int64_t segment_columns(const Fp8Weight& W, int64_t MR) {
+  const int64_t blocks = kSegmentBytes / (MR * int64_t{sizeof(float)} * W.block_k);
+  return std::max<int64_t>(1, blocks) * W.block_k;
+}
+
+// total[r][m] += the sums of k blocks [s0, s1) (block-aligned) of x rows m < MR (row stride
+// ldx) against weight rows n + r, r < NR: per block the 8-lane sums, scaled once. The bytes
+// `ahead` past each step's are prefetched into L2 (the same row's next segment, or the next
+// chunk's row; 0: none).
 template <int MR, int NR>
-void tile(const Fp8Weight& W, const E4m3Decoder& decode, int64_t n, const float* x, int64_t ldx,
-          float* out, int64_t ldo) {
+void tile(const Fp8Weight& W, const E4m3Decoder& decode, int64_t n, int64_t s0, int64_t s1,
+          const float* x, int64_t ldx, int64_t ahead, float (*total)[MR][8]) {
   const uint8_t* w[NR];
   const float* scale[NR];
   for (int r = 0; r < NR; ++r) {
     w[r] = W.w + (n + r) * W.ldw;
     scale[r] = W.scale + ((n + r) / W.block_n) * W.lds;
   }
-  __m256 total[MR][NR];
-  for (int m = 0; m < MR; ++m) {
-    for (int r = 0; r < NR; ++r) total[m][r] = _mm256_setzero_ps();
-  }
-  for (int64_t k0 = 0, kb = 0; k0 < W.K; k0 += W.block_k, ++kb) {
-    const int64_t k1 = std::min(W.K, k0 + W.block_k);
+  // acc[m][r] += x[m, k + kColumn[i] ..] * wv[r][i] for the 4 vectors of one step, in order
+  const auto accumulate = [&](__m256 acc[MR][NR], const __m256 wv[NR][4], int64_t k) {
+    for (int i = 0; i < 4; ++i) {
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xv = _mm256_loadu_ps(x + m * ldx + k + kColumn[i]);
+        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r][i], acc[m][r]);
+      }
+    }
+  };
+  for (int64_t k0 = s0; k0 < s1; k0 += W.block_k) {
+    const int64_t k1 = std::min(s1, k0 + W.block_k);
     __m256 acc[MR][NR];
     for (int m = 0; m < MR; ++m) {
       for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
     }
     int64_t k = k0;
-    for (; k + 8 <= k1; k += 8) {
-      __m256 wv[NR];
-      for (int r = 0; r < NR; ++r) wv[r] = decode(load8(w[r] + k));
-      for (int m = 0; m < MR; ++m) {
-        const __m256 xv = _mm256_loadu_ps(x + m * ldx + k);
-        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    for (; k + kStep <= k1; k += kStep) {
+      __m256i bytes[NR];
+      __m256i nan = _mm256_setzero_si256();
+      for (int r = 0; r < NR; ++r) {
+        if (ahead != 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + ahead), _MM_HINT_T1);
+        }
+        bytes[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k));
+        nan = _mm256_or_si256(nan, decode.nan_bytes(bytes[r]));
       }
+      __m256 wv[NR][4];
+      if (__builtin_expect(_mm256_testz_si256(nan, nan), 1)) {
+        for (int r = 0; r < NR; ++r) decode(bytes[r], wv[r]);
+      } else {
+        for (int r = 0; r < NR; ++r) decode_by_table(w[r] + k, wv[r]);
+      }
+      accumulate(acc, wv, k);
     }
     if (k < k1) {  // the matrix's last columns: bytes past K read as 0, x masked to 0
-      const __m256i mask = lane_mask(k1 - k);
-      __m256 wv[NR];
+      const int64_t n_left = k1 - k;
+      __m256 wv[NR][4];
       for (int r = 0; r < NR; ++r) {
-        uint8_t tail[16] = {};
-        std::memcpy(tail, w[r] + k, static_cast<size_t>(k1 - k));
-        wv[r] = decode(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail)));
+        uint8_t tail[kStep] = {};
+        std::memcpy(tail, w[r] + k, static_cast<size_t>(n_left));
+        decode_by_table(tail, wv[r]);
       }
-      for (int m = 0; m < MR; ++m) {
-        const __m256 xv = _mm256_maskload_ps(x + m * ldx + k, mask);
-        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+      for (int i = 0; i < 4; ++i) {
+        const __m256i mask = lane_mask(n_left - kColumn[i]);
+        for (int m = 0; m < MR; ++m) {
+          const __m256 xv = _mm256_maskload_ps(x + m * ldx + k + kColumn[i], mask);
+          for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r][i], acc[m][r]);
+        }
       }
     }
+    const int64_t kb = k0 / W.block_k;
     for (int r = 0; r < NR; ++r) {
-      const __m256 s = _mm256_set1_ps(scale[r][kb]);
-      for (int m = 0; m < MR; ++m) total[m][r] = _mm256_fmadd_ps(acc[m][r], s, total[m][r]);
+      const __m256 s = _mm256_set1_ps(scale[r][kb] * kFp16Bias);
+      for (int m = 0; m < MR; ++m) {
+        _mm256_store_ps(total[r][m],
+                        _mm256_fmadd_ps(acc[m][r], s, _mm256_load_ps(total[r][m])));
+      }
     }
-  }
-  for (int m = 0; m < MR; ++m) {
-    for (int r = 0; r < NR; ++r) out[m * ldo + r] = hsum(total[m][r]);
   }
 }
 
-// Rows [0, MR) of x against weight rows [n0, n1), NR at a time, then one at a time.
+// Rows [0, MR) of x against weight rows [n0, n1): per chunk of kChunkRows weight rows, per
+// segment of K, NR weight rows at a time, then one at a time.
 template <int MR, int NR>
 void rows(const Fp8Weight& W, const E4m3Decoder& decode, const float* x, int64_t ldx, int64_t n0,
           int64_t n1, float* out, int64_t ldo) {
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile<MR, NR>(W, decode, n, x, ldx, out + n - n0, ldo);
-  for (; n < n1; ++n) tile<MR, 1>(W, decode, n, x, ldx, out + n - n0, ldo);
+  const int64_t segment = segment_columns(W, MR);
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunkRows) {
+    const int64_t c1 = std::min(n1, c0 + kChunkRows);
+    alignas(32) float total[kChunkRows][MR][8] = {};
+    for (int64_t s0 = 0; s0 < W.K; s0 += segment) {
+      const int64_t s1 = std::min(W.K, s0 + segment);
+      const int64_t ahead = s1 < W.K ? segment : (c1 < n1 ? kChunkRows * W.ldw - s0 : 0);
+      int64_t n = c0;
+      for (; n + NR <= c1; n += NR) {
+        tile<MR, NR>(W, decode, n, s0, s1, x, ldx, ahead, total + (n - c0));
+      }
+      for (; n < c1; ++n) tile<MR, 1>(W, decode, n, s0, s1, x, ldx, ahead, total + (n - c0));
+    }
+    for (int64_t n = c0; n < c1; ++n) {
+      for (int m = 0; m < MR; ++m) {
+        out[m * ldo + n - n0] = hsum(_mm256_load_ps(total[n - c0][m]));
+      }
+    }
+  }
 }
 
 // 1 <= M <= 8 rows of x in one tile per weight row group.
@@ -124,9 +196,9 @@ void rows_few(int64_t M, const Fp8Weight& W, const E4m3Decoder& decode, const fl
               int64_t ldx, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   switch (M) {
     case 1: return rows<1, 4>(W, decode, x, ldx, n0, n1, out, ldo);
-    case 2: return rows<2, 2>(W, decode, x, ldx, n0, n1, out, ldo);
-    case 3: return rows<3, 1>(W, decode, x, ldx, n0, n1, out, ldo);
-    case 4: return rows<4, 1>(W, decode, x, ldx, n0, n1, out, ldo);
+    case 2: return rows<2, 4>(W, decode, x, ldx, n0, n1, out, ldo);
+    case 3: return rows<3, 2>(W, decode, x, ldx, n0, n1, out, ldo);
+    case 4: return rows<4, 2>(W, decode, x, ldx, n0, n1, out, ldo);
     case 5: return rows<5, 1>(W, decode, x, ldx, n0, n1, out, ldo);
     case 6: return rows<6, 1>(W, decode, x, ldx, n0, n1, out, ldo);
     case 7: return rows<7, 1>(W, decode, x, ldx, n0, n1, out, ldo);
@@ -157,8 +229,10 @@ void fp8_dot_f32(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0, in
   }
 }
 
+// Each value (v * 2^-8) * 2^8 (exact), then times the scale: the portable rounding.
 void fp8_dequantize(const Fp8Weight& W, int64_t n0, int64_t n1, float* out) {
   const E4m3Decoder decode;
+  const __m256 bias = _mm256_set1_ps(kFp16Bias);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = W.w + n * W.ldw;
     const float* scale = W.scale + (n / W.block_n) * W.lds;
@@ -166,13 +240,26 @@ void fp8_dequantize(const Fp8Weight& W, int64_t n0, int64_t n1, float* out) {
     for (int64_t k0 = 0, kb = 0; k0 < W.K; k0 += W.block_k, ++kb) {
       const int64_t k1 = std::min(W.K, k0 + W.block_k);
       const __m256 s = _mm256_set1_ps(scale[kb]);
-      int64_t k = k0;
-      for (; k + 8 <= k1; k += 8) _mm256_storeu_ps(dst + k, _mm256_mul_ps(decode(load8(row + k)), s));
-      if (k < k1) {
-        uint8_t tail[16] = {};
-        std::memcpy(tail, row + k, static_cast<size_t>(k1 - k));
-        const __m256 v = decode(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tail)));
-        _mm256_maskstore_ps(dst + k, lane_mask(k1 - k), _mm256_mul_ps(v, s));
+      for (int64_t k = k0; k < k1; k += kStep) {
+        const int64_t n_left = std::min(kStep, k1 - k);
+        __m256 v[4];
+        if (n_left == kStep) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+          const __m256i nan = decode.nan_bytes(bytes);
+          if (__builtin_expect(_mm256_testz_si256(nan, nan), 1)) {
+            decode(bytes, v);
+          } else {
+            decode_by_table(row + k, v);
+          }
+        } else {
+          uint8_t tail[kStep] = {};
+          std::memcpy(tail, row + k, static_cast<size_t>(n_left));
+          decode_by_table(tail, v);
+        }
+        for (int i = 0; i < 4; ++i) {
+          const __m256 value = _mm256_mul_ps(_mm256_mul_ps(v[i], bias), s);
+          _mm256_maskstore_ps(dst + k + kColumn[i], lane_mask(n_left - kColumn[i]), value);
+        }
       }
     }
   }
