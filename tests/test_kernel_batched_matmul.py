@@ -2,8 +2,9 @@
 absorbed products take on AVX-512 BF16 CPUs (batched_matmul_avx512.cpp, up to 4 rows per head
 of bf16 / fp16), the tile kernel on AMX CPUs (batched_matmul_amx_avx512.cpp, bf16 at 5-16
 rows), the pairs kernel on AVX-512 BF16 CPUs without AMX (batched_matmul_pairs_avx512.cpp, bf16
-at 5-8 rows) and ATen's bmm above them, on the default path here and, each in a child process,
-the portable one and AVX-512 without AMX.
+at 5-8 rows), the AVX2 streaming kernel on CPUs without AVX-512 BF16 (batched_matmul_avx2.cpp,
+bf16 / fp16 up to 8 rows) and ATen's bmm above them, on the default path here and, each in a
+child process, the portable one, AVX-512 without AMX and the AVX2 tier alone.
 
 Bound: the fp32 sums err by at most ``sum |x| |w| * K * 2^-24`` (far below a wrong element,
 which is off by whole percents) and the one rounding to x's dtype by half an ulp (2^-8 bf16,
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_flags import has_avx2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -64,10 +66,12 @@ def test_matches_fp64_bmm(heads, m, k, n, dtype, strided, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_shapes_and_row_independence(dtype):
     """V2-Lite's W_UK and W_UV^T products at 1-4 rows (streaming), 5-16 (tiles on AMX; 5-8 the
-    pairs kernel without) and 17 (ATen). Where one of our kernels runs, a row's result does not
-    depend on the call's other rows, bitwise: each row alone (streaming), or the first 5 rows of
-    the call (tiles, pairs) (ATen's bmm promises no such thing)."""
+    pairs kernel without; 1-8 AVX2's streaming kernel) and 17 (ATen). Where one of our kernels
+    runs, a row's result does not depend on the call's other rows, bitwise: each row alone
+    (streaming), or the first 5 rows of the call (tiles, pairs) (ATen's bmm promises no such
+    thing)."""
     streams = cpu_isa() in ("avx512_amx", "avx512_bf16")
+    streams_avx2 = cpu_isa() == "avx2"
     tiles = cpu_isa() == "avx512_amx" and dtype == torch.bfloat16
     pairs = cpu_isa() == "avx512_bf16" and dtype == torch.bfloat16
     gen = torch.Generator().manual_seed(1)
@@ -77,20 +81,25 @@ def test_decode_shapes_and_row_independence(dtype):
             x = torch.randn(m, 16, k, generator=gen).to(dtype).transpose(0, 1)
             out = batched_matmul(x, w)
             _assert_within_bound(out, x, w)
-            if streams and m <= 4:
+            if (streams and m <= 4) or (streams_avx2 and m <= 8):
                 for r in range(m):
                     assert torch.equal(out[:, r : r + 1], batched_matmul(x[:, r : r + 1], w))
             if (tiles and 5 < m <= 16) or (pairs and 5 < m <= 8):  # pass<6..8>
                 assert torch.equal(out[:, :5], batched_matmul(x[:, :5], w))
 
 
-@pytest.mark.parametrize("disable", ["MLAFX_DISABLE_AVX512", "MLAFX_DISABLE_AMX"])
+@pytest.mark.parametrize(
+    "disable", ["MLAFX_DISABLE_AVX512", "MLAFX_DISABLE_AMX", "MLAFX_AVX2_ONLY"]
+)
 def test_other_paths_in_a_child(disable):
-    """The portable path, and AVX-512 without tiles (the streaming and pairs kernels, ATen)."""
+    """The portable path, AVX-512 without tiles (the streaming and pairs kernels, ATen) and
+    the AVX2 tier alone (its streaming kernel, ATen on fp32 copies)."""
     if os.environ.get("MLAFX_BMM_CHILD"):
         pytest.skip("inside the child run")
     if disable == "MLAFX_DISABLE_AMX" and cpu_isa() != "avx512_amx":
         pytest.skip("no AMX here: the default run is that path")
+    if disable == "MLAFX_AVX2_ONLY" and not (cpu_isa().startswith("avx512") and has_avx2()):
+        pytest.skip("the default run is that path (or the CPU has no AVX2)")
     env = {**os.environ, disable: "1", "MLAFX_BMM_CHILD": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],

@@ -8,7 +8,10 @@
 //     bf16 with kBatchedMatmulAmxMinRows..16 rows on AMX-BF16 CPUs: the tile kernel of
 //     batched_matmul_amx_avx512.cpp (the same sums and rounding); on AVX-512 BF16 CPUs without
 //     AMX, bf16 with kBatchedMatmulPairsMinRows..8 rows: the pairs kernel of
-//     batched_matmul_pairs_avx512.cpp (VDPBF16PS, fp32 sums, one rounding).
+//     batched_matmul_pairs_avx512.cpp (VDPBF16PS, fp32 sums, one rounding); on AVX2 CPUs
+//     without AVX-512 BF16, bf16/fp16 with at most kBatchedMatmulAvx2Rows rows per head: the
+//     streaming kernel of batched_matmul_avx2.cpp (the same sums and rounding), instead of
+//     widening w to an fp32 copy per call.
 //
 // In batch-invariant mode (batch_invariant.h), bf16 on AMX-BF16 CPUs takes the tile kernels
 // at every row count (up to 16 rows the few-row one, past it the many-rows one, which stages
@@ -49,7 +52,7 @@ BmmArgs bmm_args(const at::Tensor& x, const at::Tensor& wc, at::Tensor& out) {
 }
 
 // Which of batched_matmul.h's kernels runs a call.
-enum class BmmKernel { kStream, kPairs, kAmx, kAmxBlocks };
+enum class BmmKernel { kStream, kStreamAvx2, kPairs, kAmx, kAmxBlocks };
 
 // batched_matmul.h's kernels on 16-bit x and w.
 at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, BmmKernel kernel) {
@@ -82,6 +85,12 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, BmmKernel kernel
       parallel_chunks(0, B * batched_matmul_col_items(N), 1, [&](int64_t begin, int64_t end) {
         ScratchVector<uint16_t> xs(static_cast<size_t>(avx512::batched_matmul_pairs_scratch(args)));
         avx512::batched_matmul_items_pairs(args, begin, end, xs.data());
+      });
+      break;
+    case BmmKernel::kStreamAvx2:
+      parallel_chunks(0, B * batched_matmul_col_items(N), 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> xf(static_cast<size_t>(M * K));
+        avx2::batched_matmul_items(args, begin, end, xf.data());
       });
       break;
     case BmmKernel::kStream:
@@ -127,6 +136,9 @@ at::Tensor batched_matmul(const at::Tensor& x,  // [B, M, K]
         M <= kBatchedMatmulPairsMaxRows) {
       return run_kernel(x, w, BmmKernel::kPairs);
     }
+  }
+  if (!batch_invariant() && widen && half && use_avx2() && M <= kBatchedMatmulAvx2Rows) {
+    return run_kernel(x, w, BmmKernel::kStreamAvx2);
   }
   const at::Tensor w_mm = widen ? w.to(at::kFloat) : w;
   if (!batch_invariant()) {

@@ -1,6 +1,7 @@
 // The few-row batched_matmul kernels, called by batched_matmul.cpp: the streaming one
-// (batched_matmul_avx512.cpp, after use_avx512_bf16()) and the tile one
-// (batched_matmul_amx_avx512.cpp, after use_amx_bf16()). Decode's absorbed products, where
+// (batched_matmul_avx512.cpp, after use_avx512_bf16(); batched_matmul_avx2.cpp, after
+// use_avx2() without AVX-512 BF16) and the tile one (batched_matmul_amx_avx512.cpp, after
+// use_amx_bf16()). Decode's absorbed products, where
 // ATen's bmm of one or a few rows per head reads its weights at 40-55% of the read bandwidth.
 #pragma once
 
@@ -48,6 +49,16 @@ constexpr int64_t kBatchedMatmulAmxMaxRows = 16;
 // passes of 8) 0.187 / 0.198 against 0.164 / 0.165: ATen from 9 rows on.
 constexpr int64_t kBatchedMatmulPairsMinRows = 5;
 constexpr int64_t kBatchedMatmulPairsMaxRows = 8;
+
+// The AVX2 streaming kernel (batched_matmul_avx2.cpp): bf16/fp16 up to
+// kBatchedMatmulAvx2Rows rows per head, when use_avx2() and not use_avx512_bf16(). Its items are
+// the streaming kernel's.
+constexpr int64_t kBatchedMatmulAvx2Rows = 8;
+
+namespace avx2 {
+// Items [begin, end) of `a`; xf: M * K floats of scratch (x's rows of one head, widened).
+void batched_matmul_items(const BmmArgs& a, int64_t begin, int64_t end, float* xf);
+}  // namespace avx2
 
 namespace avx512 {
 // The pairs kernel on items [begin, end) of `a` (bf16); xs: batched_matmul_pairs_scratch(a)
