@@ -115,11 +115,12 @@ def _ensure_loaded() -> None:
 def cpu_isa() -> str:
     """The kernels' code path in this process: ``"avx512_amx"`` (AVX-512 BF16 plus the AMX
     tile unit, which the bf16 attention core uses), ``"avx512_bf16"``, ``"avx2"`` (a CPU
-    without AVX-512 BF16: AVX2 attention cores, quantized and FP8 products; the bf16 GEMMs and
-    experts portable) or ``"portable"``.
+    without AVX-512 BF16: AVX2 attention cores, streaming bf16 products, quantized and FP8
+    products; the rest portable or ATen in fp32) or ``"portable"``.
 
     Fixed when the first op runs; set ``MLAFX_DISABLE_AMX=1`` before that to keep the AVX-512
     path without tiles, ``MLAFX_DISABLE_AVX2=1`` to turn the AVX2 tier off,
+    ``MLAFX_AVX2_ONLY=1`` to run the AVX2 tier alone on an AVX-512 CPU,
     ``MLAFX_DISABLE_AVX512=1`` to force the portable path.
     """
     _ensure_loaded()
