@@ -94,7 +94,7 @@ int64_t segment_columns(const Fp8Weight& W, int64_t MR) {
 // total[r][m] += the sums of k blocks [s0, s1) (block-aligned) of x rows m < MR (row stride
 // ldx) against weight rows n + r, r < NR: per block the 8-lane sums, scaled once. The bytes
 // `ahead` past each step's are prefetched into L2 (the same row's next segment, or the next
-// chunk's row; 0: none).
+// chunk's row; 0: the step's own, which costs nothing).
 template <int MR, int NR>
 void tile(const Fp8Weight& W, const E4m3Decoder& decode, int64_t n, int64_t s0, int64_t s1,
           const float* x, int64_t ldx, int64_t ahead, float (*total)[MR][8]) {
@@ -104,53 +104,62 @@ void tile(const Fp8Weight& W, const E4m3Decoder& decode, int64_t n, int64_t s0, 
     w[r] = W.w + (n + r) * W.ldw;
     scale[r] = W.scale + ((n + r) / W.block_n) * W.lds;
   }
-  // acc[m][r] += x[m, k + kColumn[i] ..] * wv[r][i] for the 4 vectors of one step, in order
-  const auto accumulate = [&](__m256 acc[MR][NR], const __m256 wv[NR][4], int64_t k) {
+  // acc[m][r] += x[m, k + kColumn[i] ..] * wv[i] for the 4 vectors of one step of row r
+  const auto accumulate = [&](__m256 acc[MR][NR], int r, const __m256 wv[4], int64_t k) {
     for (int i = 0; i < 4; ++i) {
       for (int m = 0; m < MR; ++m) {
-        const __m256 xv = _mm256_loadu_ps(x + m * ldx + k + kColumn[i]);
-        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r][i], acc[m][r]);
+        acc[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k + kColumn[i]), wv[i],
+                                    acc[m][r]);
       }
     }
   };
   for (int64_t k0 = s0; k0 < s1; k0 += W.block_k) {
     const int64_t k1 = std::min(s1, k0 + W.block_k);
+    const int64_t whole = k0 + (k1 - k0) / kStep * kStep;  // the block's whole steps end here
     __m256 acc[MR][NR];
     for (int m = 0; m < MR; ++m) {
       for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
     }
-    int64_t k = k0;
-    for (; k + kStep <= k1; k += kStep) {
-      __m256i bytes[NR];
-      __m256i nan = _mm256_setzero_si256();
+    // Row by row within a step (each row's bytes decoded just before its FMAs: the registers
+    // hold one row's vectors, not NR rows'); NaN bytes are looked for across the block.
+    __m256i nan = _mm256_setzero_si256();
+    for (int64_t k = k0; k < whole; k += kStep) {
       for (int r = 0; r < NR; ++r) {
-        if (ahead != 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + ahead), _MM_HINT_T1);
-        }
-        bytes[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k));
-        nan = _mm256_or_si256(nan, decode.nan_bytes(bytes[r]));
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + k + ahead), _MM_HINT_T1);
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + k));
+        nan = _mm256_or_si256(nan, decode.nan_bytes(bytes));
+        __m256 wv[4];
+        decode(bytes, wv);
+        accumulate(acc, r, wv, k);
       }
-      __m256 wv[NR][4];
-      if (__builtin_expect(_mm256_testz_si256(nan, nan), 1)) {
-        for (int r = 0; r < NR; ++r) decode(bytes[r], wv[r]);
-      } else {
-        for (int r = 0; r < NR; ++r) decode_by_table(w[r] + k, wv[r]);
-      }
-      accumulate(acc, wv, k);
     }
+    if (__builtin_expect(!_mm256_testz_si256(nan, nan), 0)) {
+      // a NaN byte in the block, decoded as a finite value: the block again, by the table
+      for (int m = 0; m < MR; ++m) {
+        for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+      }
+      for (int64_t k = k0; k < whole; k += kStep) {
+        for (int r = 0; r < NR; ++r) {
+          __m256 wv[4];
+          decode_by_table(w[r] + k, wv);
+          accumulate(acc, r, wv, k);
+        }
+      }
+    }
+    const int64_t k = whole;
     if (k < k1) {  // the matrix's last columns: bytes past K read as 0, x masked to 0
       const int64_t n_left = k1 - k;
-      __m256 wv[NR][4];
       for (int r = 0; r < NR; ++r) {
         uint8_t tail[kStep] = {};
         std::memcpy(tail, w[r] + k, static_cast<size_t>(n_left));
-        decode_by_table(tail, wv[r]);
-      }
-      for (int i = 0; i < 4; ++i) {
-        const __m256i mask = lane_mask(n_left - kColumn[i]);
-        for (int m = 0; m < MR; ++m) {
-          const __m256 xv = _mm256_maskload_ps(x + m * ldx + k + kColumn[i], mask);
-          for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r][i], acc[m][r]);
+        __m256 wv[4];
+        decode_by_table(tail, wv);
+        for (int i = 0; i < 4; ++i) {
+          const __m256i mask = lane_mask(n_left - kColumn[i]);
+          for (int m = 0; m < MR; ++m) {
+            const __m256 xv = _mm256_maskload_ps(x + m * ldx + k + kColumn[i], mask);
+            acc[m][r] = _mm256_fmadd_ps(xv, wv[i], acc[m][r]);
+          }
         }
       }
     }
