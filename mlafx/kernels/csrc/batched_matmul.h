@@ -36,6 +36,24 @@ inline int64_t batched_matmul_col_items(int64_t N) {
   return (N + kBatchedMatmulCols - 1) / kBatchedMatmulCols;
 }
 
+// The streaming kernels' walk over items [begin, end): widen(b) when the items reach head b
+// (its rows of x into the caller's scratch), then run(b, n0) for the item's first column n0.
+// ISA-free: each kernel passes its own widen and run.
+template <typename Widen, typename Run>
+void batched_matmul_walk_items(const BmmArgs& a, int64_t begin, int64_t end, const Widen& widen,
+                               const Run& run) {
+  const int64_t col_items = batched_matmul_col_items(a.N);
+  int64_t widened = -1;  // the head whose rows the scratch holds
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / col_items;
+    if (b != widened) {
+      widen(b);
+      widened = b;
+    }
+    run(b, item % col_items * kBatchedMatmulCols);
+  }
+}
+
 // The AMX kernel (batched_matmul_amx_avx512.cpp): bf16, kBatchedMatmulAmxMinRows to
 // kBatchedMatmulAmxMaxRows rows per head, when use_amx_bf16(). Its items are heads.
 constexpr int64_t kBatchedMatmulAmxMinRows = 5;

@@ -132,16 +132,9 @@ void run_item(const BmmArgs& a, int64_t b, int64_t n0, const float* xf) {
 }  // namespace
 
 void batched_matmul_items(const BmmArgs& a, int64_t begin, int64_t end, float* xf) {
-  const int64_t col_items = batched_matmul_col_items(a.N);
-  int64_t widened = -1;  // the head whose rows xf holds
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t b = item / col_items;
-    if (b != widened) {
-      widen_rows(a, b, xf);
-      widened = b;
-    }
-    run_item(a, b, item % col_items * kBatchedMatmulCols, xf);
-  }
+  batched_matmul_walk_items(
+      a, begin, end, [&](int64_t b) { widen_rows(a, b, xf); },
+      [&](int64_t b, int64_t n0) { run_item(a, b, n0, xf); });
 }
 
 }  // namespace mlafx::avx512
