@@ -115,10 +115,11 @@ def fp8_cpu_isa() -> str:
     the kernels the block FP8 ops take in this process. ``avx512_amx``: bf16 rows of x from 4
     on go to AMX-BF16 tiles (every row count; a block_k that is not a multiple of 64 takes the
     ``avx512_vbmi`` kernels), fewer rows to the VBMI byte-table decoding.
-    ``MLAFX_DISABLE_AMX=1``: ``avx512_vbmi``, which dequantizes to fp32 for ``at::mm`` from 64
-    rows; ``MLAFX_DISABLE_VBMI=1``: the AVX-512 arithmetic decoding;
-    ``MLAFX_DISABLE_AVX512=1``: portable; ``MLAFX_DISABLE_AVX2=1``: the AVX2 tier off alone.
-    The paths differ only in fp32 summation order."""
+    ``MLAFX_DISABLE_AMX=1``: ``avx512_vbmi``, with the pairs GEMM from 9 bf16 rows;
+    ``MLAFX_DISABLE_VBMI=1``: the AVX-512 arithmetic decoding;
+    ``MLAFX_DISABLE_AVX512=1``: portable; ``MLAFX_DISABLE_AVX2=1``: the AVX2 tier off alone;
+    ``MLAFX_AVX2_ONLY=1``: ``avx2`` on a CPU that has AVX-512 too (e4m3 widened through fp16
+    by F16C, fp32 FMAs). The paths differ only in fp32 summation order."""
     return torch.ops.mlafx.fp8_cpu_isa()
 
 
