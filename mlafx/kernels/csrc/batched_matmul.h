@@ -9,14 +9,16 @@
 
 namespace mlafx {
 
-// Rows per head the streaming kernel takes; above, the AMX kernel (bf16 up to
-// kBatchedMatmulAmxMaxRows, AMX CPUs) or ATen's bmm.
+// Rows per head the AVX-512 streaming kernel takes; above, the AMX kernel (bf16 up to
+// kBatchedMatmulAmxMaxRows, AMX CPUs), the pairs kernel or ATen's bmm (the AVX2 streaming
+// kernel's limit is kBatchedMatmulAvx2Rows).
 constexpr int64_t kBatchedMatmulStreamRows = 4;
 
 enum class BmmElem { kBf16, kFp16 };
 
 // out[b, m, :] = x[b, m, :] @ w[b] for b < B, m < M (M <= kBatchedMatmulStreamRows for the
-// streaming kernel, kBatchedMatmulAmxMaxRows for the tile one), in fp32 with one rounding to
+// AVX-512 streaming kernel, kBatchedMatmulAvx2Rows for the AVX2 one, kBatchedMatmulAmxMaxRows
+// for the tile one), in fp32 with one rounding to
 // the element type. x: element strides (xs_b, xs_m, xs_k); w: [B, K, N] with rows of N
 // contiguous elements, ws_b / ws_k apart; out: contiguous [B, M, N].
 struct BmmArgs {
