@@ -87,18 +87,16 @@ at::Tensor run_kernel(const at::Tensor& x, const at::Tensor& w, BmmKernel kernel
         avx512::batched_matmul_items_pairs(args, begin, end, xs.data());
       });
       break;
-    case BmmKernel::kStreamAvx2:
-      parallel_chunks(0, B * batched_matmul_col_items(N), 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> xf(static_cast<size_t>(M * K));
-        avx2::batched_matmul_items(args, begin, end, xf.data());
-      });
-      break;
     case BmmKernel::kStream:
+    case BmmKernel::kStreamAvx2: {
+      const auto items = kernel == BmmKernel::kStream ? avx512::batched_matmul_items
+                                                      : avx2::batched_matmul_items;
       parallel_chunks(0, B * batched_matmul_col_items(N), 1, [&](int64_t begin, int64_t end) {
         std::vector<float> xf(static_cast<size_t>(M * K));
-        avx512::batched_matmul_items(args, begin, end, xf.data());
+        items(args, begin, end, xf.data());
       });
       break;
+    }
   }
   return out;
 }
