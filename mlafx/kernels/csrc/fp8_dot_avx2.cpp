@@ -274,7 +274,11 @@ void fp8_dequantize(const Fp8Weight& W, int64_t n0, int64_t n1, float* out) {
         }
         for (int i = 0; i < 4; ++i) {
           const __m256 value = _mm256_mul_ps(_mm256_mul_ps(v[i], bias), s);
-          _mm256_maskstore_ps(dst + k + kColumn[i], lane_mask(n_left - kColumn[i]), value);
+          if (n_left == kStep) {
+            _mm256_storeu_ps(dst + k + kColumn[i], value);
+          } else {
+            _mm256_maskstore_ps(dst + k + kColumn[i], lane_mask(n_left - kColumn[i]), value);
+          }
         }
       }
     }
