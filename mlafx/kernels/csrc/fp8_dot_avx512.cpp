@@ -117,14 +117,12 @@ struct AlignedBuffer {
   uint16_t* ptr;
 };
 
-// x rows [M, K] -> [M, ldp] bf16, each 64 columns as A then B, zero past K; ldp a multiple of
-// 64 elements, not of 4 KB.
-MLAFX_VBMI AlignedBuffer permuted_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
-                                       int64_t* ldp) {
-  int64_t ld = (K + 63) / 64 * 64;
-  if ((ld * 2) % 4096 == 0) ld += 64;
-  *ldp = ld;
-  AlignedBuffer out(static_cast<size_t>(M * ld));
+// x rows [M, K] -> bf16 chunk by chunk: the M rows' 64 columns of chunk c at
+// (c * M + m) * 64, each as A then B, zero past K. One pointer and constant offsets reach every
+// row of a chunk (8 row pointers spilled general registers in the 8-row tile).
+MLAFX_VBMI AlignedBuffer chunked_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t chunks = (K + 63) / 64;
+  AlignedBuffer out(static_cast<size_t>(chunks * M * 64));
   // A: 0..7 | 16..23 | 32..39 | 48..55, B: 8..15 | ... (indices into [x0 | x1], 64 columns)
   alignas(64) uint16_t ia[32], ib[32];
   for (int j = 0; j < 32; ++j) {
@@ -132,14 +130,16 @@ MLAFX_VBMI AlignedBuffer permuted_rows(const uint16_t* x, int64_t ldx, int64_t M
     ib[j] = static_cast<uint16_t>(ia[j] + 8);
   }
   const __m512i idx_a = _mm512_load_si512(ia), idx_b = _mm512_load_si512(ib);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < ld; k += 64) {
-      const __mmask32 m0 = k < K ? first_lanes32(K - k) : 0;
-      const __mmask32 m1 = k + 32 < K ? first_lanes32(K - k - 32) : 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t k = c * 64;
+    const __mmask32 m0 = first_lanes32(K - k);
+    const __mmask32 m1 = k + 32 < K ? first_lanes32(K - k - 32) : 0;
+    for (int64_t m = 0; m < M; ++m) {
       const __m512i x0 = _mm512_maskz_loadu_epi16(m0, x + m * ldx + k);
       const __m512i x1 = _mm512_maskz_loadu_epi16(m1, x + m * ldx + k + 32);
-      _mm512_store_si512(out.data() + m * ld + k, _mm512_permutex2var_epi16(x0, idx_a, x1));
-      _mm512_store_si512(out.data() + m * ld + k + 32, _mm512_permutex2var_epi16(x0, idx_b, x1));
+      uint16_t* dst = out.data() + (c * M + m) * 64;
+      _mm512_store_si512(dst, _mm512_permutex2var_epi16(x0, idx_a, x1));
+      _mm512_store_si512(dst + 32, _mm512_permutex2var_epi16(x0, idx_b, x1));
     }
   }
   return out;
@@ -155,13 +155,16 @@ int64_t prefetch_rows(int64_t ldw) {
   return std::max<int64_t>(NR, (kPrefetchBytes + ldw - 1) / std::max<int64_t>(ldw, 1));
 }
 
-// One 64-column chunk of a VBMI tile: NR weight rows decoded once, each times MR rows of x
-// into acc_a (the A columns) and acc_b (the B columns). x is the memory operand of VDPBF16PS
-// (its products are symmetric), so a tile of one weight row issues no separate x loads.
+// One 64-column chunk of a VBMI tile: NR weight rows decoded once, then each row of x loaded
+// once for all NR of them (the A columns, then the B columns, into the same accumulator).
+// Zen 4 (7 Dec 2026; C loops from L1, TSC ticks per 64 weights) runs these products about
+// twice as fast when each 64-byte x load feeds two or more VDPBF16PS: 8 rows of x took 24-30
+// ticks with one weight row and the A and B columns summed apart, 14 with two weight rows
+// sharing each x load.
 template <int MR, int NR, bool kMasked>
 MLAFX_VBMI inline void chunk_vbmi(const Decoder& dec, const uint8_t* const* w, int64_t pf,
-                                  int64_t k, __mmask64 mask, const uint16_t* xp, int64_t ldp,
-                                  __m512 (&acc_a)[MR][NR], __m512 (&acc_b)[MR][NR]) {
+                                  int64_t k, __mmask64 mask, const uint16_t* xp,
+                                  __m512 (&acc)[MR][NR]) {
   __m512i wa[NR], wb[NR];
   for (int r = 0; r < NR; ++r) {
     // Into L2, the line `pf` bytes on: the hardware prefetchers stop at every 4 KB page (as
@@ -173,25 +176,25 @@ MLAFX_VBMI inline void chunk_vbmi(const Decoder& dec, const uint8_t* const* w, i
                                   : _mm512_loadu_si512(w[r] + k);
     dec.decode(bytes, &wa[r], &wb[r]);
   }
+  const uint16_t* xc = xp + k * MR;  // chunk k / 64 of chunked_rows
   for (int m = 0; m < MR; ++m) {
-    const uint16_t* x = xp + m * ldp + k;
-    for (int r = 0; r < NR; ++r) {
-      acc_a[m][r] = _mm512_dpbf16_ps(acc_a[m][r], (__m512bh)wa[r],
-                                     (__m512bh)_mm512_load_si512(x));
-      acc_b[m][r] = _mm512_dpbf16_ps(acc_b[m][r], (__m512bh)wb[r],
-                                     (__m512bh)_mm512_load_si512(x + 32));
-    }
+    const __m512bh xa = (__m512bh)_mm512_load_si512(xc + m * 64);
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)wa[r], xa);
+    const __m512bh xb = (__m512bh)_mm512_load_si512(xc + m * 64 + 32);
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)wb[r], xb);
   }
 }
 
-// MR rows of x times NR weight rows. The A and B halves of each 64-column chunk sum into
-// separate accumulators: VDPBF16PS has a latency of several cycles and issues up to twice a
-// cycle (Zen 5: 6 cycles, 2 a cycle), so the tile needs 2 * MR * NR independent chains, each
-// one instruction deep per chunk, to keep it busy. kBlock: DeepSeek's block_k of 128 known at
-// compile time (two chunks a block, unrolled), else 0 (W.block_k).
+// total[m][r] = MR rows of x times weight rows n + r, r < NR: per k block the 16-lane sums,
+// scaled once into totals kept in registers. Each lane takes its chunks' A and B products in
+// one order whatever MR and NR, so a row's result does not depend on the other rows of x
+// (batch-invariant mode relies on it). kBlock: DeepSeek's block_k of 128 known at compile time
+// (two chunks a block, unrolled), else 0 (W.block_k).
 template <int MR, int NR, int kBlock>
-MLAFX_VBMI void tile_vbmi(const Fp8Weight& W, const Decoder& dec, int64_t n, int64_t pf,
-                          const uint16_t* xp, int64_t ldp, float* out, int64_t ldo) {
+MLAFX_VBMI __attribute__((always_inline)) inline void tile_sums(const Fp8Weight& W,
+                                                                const Decoder& dec, int64_t n,
+                                                                int64_t pf, const uint16_t* xp,
+                                                                __m512 (&total)[MR][NR]) {
   const int64_t block_k = kBlock != 0 ? kBlock : W.block_k;
   const uint8_t* w[NR];
   const float* scale[NR];
@@ -199,74 +202,109 @@ MLAFX_VBMI void tile_vbmi(const Fp8Weight& W, const Decoder& dec, int64_t n, int
     w[r] = W.w + (n + r) * W.ldw;
     scale[r] = W.scale + ((n + r) / W.block_n) * W.lds;
   }
-  __m512 total[MR][NR];
   for (int m = 0; m < MR; ++m) {
     for (int r = 0; r < NR; ++r) total[m][r] = _mm512_setzero_ps();
   }
   for (int64_t k0 = 0, kb = 0; k0 < W.K; k0 += block_k, ++kb) {
     const int64_t k1 = std::min(W.K, k0 + block_k);
-    __m512 acc_a[MR][NR], acc_b[MR][NR];
+    __m512 acc[MR][NR];
     for (int m = 0; m < MR; ++m) {
-      for (int r = 0; r < NR; ++r) acc_a[m][r] = acc_b[m][r] = _mm512_setzero_ps();
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
     }
     if (k1 - k0 == block_k) {  // a whole block: whole chunks
       for (int64_t k = k0; k < k0 + block_k; k += 64) {
-        chunk_vbmi<MR, NR, false>(dec, w, pf, k, 0, xp, ldp, acc_a, acc_b);
+        chunk_vbmi<MR, NR, false>(dec, w, pf, k, 0, xp, acc);
       }
     } else {  // the last block, cut short by K
       for (int64_t k = k0; k < k1; k += 64) {
-        chunk_vbmi<MR, NR, true>(dec, w, pf, k, tail_mask64(k1 - k), xp, ldp, acc_a, acc_b);
+        chunk_vbmi<MR, NR, true>(dec, w, pf, k, tail_mask64(k1 - k), xp, acc);
       }
     }
     for (int r = 0; r < NR; ++r) {
       const __m512 s = _mm512_set1_ps(scale[r][kb]);
-      for (int m = 0; m < MR; ++m) {
-        total[m][r] = _mm512_fmadd_ps(_mm512_add_ps(acc_a[m][r], acc_b[m][r]), s, total[m][r]);
-      }
+      for (int m = 0; m < MR; ++m) total[m][r] = _mm512_fmadd_ps(acc[m][r], s, total[m][r]);
     }
   }
+}
+
+// The tile's sums reduced across lanes into out[m * ldo + r].
+template <int MR, int NR, int kBlock>
+MLAFX_VBMI void tile_vbmi(const Fp8Weight& W, const Decoder& dec, int64_t n, int64_t pf,
+                          const uint16_t* xp, float* out, int64_t ldo) {
+  __m512 total[MR][NR];
+  tile_sums<MR, NR, kBlock>(W, dec, n, pf, xp, total);
   for (int m = 0; m < MR; ++m) {
     for (int r = 0; r < NR; ++r) out[m * ldo + r] = _mm512_reduce_add_ps(total[m][r]);
   }
 }
 
+// The tile's 16-lane sums into held[r][m], reduced later.
+template <int MR, int NR, int kBlock>
+MLAFX_VBMI void tile_vbmi_held(const Fp8Weight& W, const Decoder& dec, int64_t n, int64_t pf,
+                               const uint16_t* xp, __m512 (*held)[MR]) {
+  __m512 total[MR][NR];
+  tile_sums<MR, NR, kBlock>(W, dec, n, pf, xp, total);
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < NR; ++r) held[r][m] = total[m][r];
+  }
+}
+
+// Weight rows per pass of the 5-8 row tiles: their 16-lane sums are held in a buffer and
+// reduced across lanes after the pass. Reduced at the end of each tile, as the 1-4 row tiles
+// are, GCC 12 spilled the 8-row tile's registers (39 against 31 cycles per 64 weights on Zen
+// 4, 7 Dec 2026); held for the 1-4 row tiles, one row of x over 6 experts ran 1.3x slower.
+constexpr int64_t kPassRows = 16;
+
 template <int MR, int NR, int kBlock>
 MLAFX_VBMI void rows_vbmi_block(const Fp8Weight& W, const Decoder& dec, const uint16_t* xp,
-                                int64_t ldp, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+                                int64_t n0, int64_t n1, float* out, int64_t ldo) {
   const int64_t pf = prefetch_rows<NR>(W.ldw) * W.ldw;
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) {
-    tile_vbmi<MR, NR, kBlock>(W, dec, n, pf, xp, ldp, out + n - n0, ldo);
+  if constexpr (MR <= 4) {
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) {
+      tile_vbmi<MR, NR, kBlock>(W, dec, n, pf, xp, out + n - n0, ldo);
+    }
+    for (; n < n1; ++n) tile_vbmi<MR, 1, kBlock>(W, dec, n, pf, xp, out + n - n0, ldo);
+  } else {
+    for (int64_t c0 = n0; c0 < n1; c0 += kPassRows) {
+      const int64_t c1 = std::min(n1, c0 + kPassRows);
+      __m512 held[kPassRows][MR];
+      int64_t n = c0;
+      for (; n + NR <= c1; n += NR) {
+        tile_vbmi_held<MR, NR, kBlock>(W, dec, n, pf, xp, held + (n - c0));
+      }
+      for (; n < c1; ++n) tile_vbmi_held<MR, 1, kBlock>(W, dec, n, pf, xp, held + (n - c0));
+      for (n = c0; n < c1; ++n) {
+        for (int m = 0; m < MR; ++m) out[m * ldo + n - n0] = _mm512_reduce_add_ps(held[n - c0][m]);
+      }
+    }
   }
-  for (; n < n1; ++n) tile_vbmi<MR, 1, kBlock>(W, dec, n, pf, xp, ldp, out + n - n0, ldo);
 }
 
 template <int MR, int NR>
-MLAFX_VBMI void rows_vbmi(const Fp8Weight& W, const Decoder& dec, const uint16_t* xp, int64_t ldp,
-                          int64_t n0, int64_t n1, float* out, int64_t ldo) {
+MLAFX_VBMI void rows_vbmi(const Fp8Weight& W, const Decoder& dec, const uint16_t* xp, int64_t n0, int64_t n1, float* out, int64_t ldo) {
   if (W.block_k == 128) {
-    rows_vbmi_block<MR, NR, 128>(W, dec, xp, ldp, n0, n1, out, ldo);
+    rows_vbmi_block<MR, NR, 128>(W, dec, xp, n0, n1, out, ldo);
   } else {
-    rows_vbmi_block<MR, NR, 0>(W, dec, xp, ldp, n0, n1, out, ldo);
+    rows_vbmi_block<MR, NR, 0>(W, dec, xp, n0, n1, out, ldo);
   }
 }
 
 // M <= 8 rows of x.
 MLAFX_VBMI void fp8_dot_vbmi(const Fp8Weight& W, const Fp8Rows& x, int64_t M, int64_t n0,
                              int64_t n1, float* out, int64_t ldo) {
-  int64_t ldp = 0;
-  const AlignedBuffer xp = permuted_rows(x.bf16, x.ld, M, W.K, &ldp);
+  const AlignedBuffer xp = chunked_rows(x.bf16, x.ld, M, W.K);
   const Decoder dec(byte_tables());
   const uint16_t* p = xp.data();
   switch (M) {
-    case 1: return rows_vbmi<1, 4>(W, dec, p, ldp, n0, n1, out, ldo);
-    case 2: return rows_vbmi<2, 2>(W, dec, p, ldp, n0, n1, out, ldo);
-    case 3: return rows_vbmi<3, 2>(W, dec, p, ldp, n0, n1, out, ldo);
-    case 4: return rows_vbmi<4, 1>(W, dec, p, ldp, n0, n1, out, ldo);
-    case 5: return rows_vbmi<5, 1>(W, dec, p, ldp, n0, n1, out, ldo);
-    case 6: return rows_vbmi<6, 1>(W, dec, p, ldp, n0, n1, out, ldo);
-    case 7: return rows_vbmi<7, 1>(W, dec, p, ldp, n0, n1, out, ldo);
-    default: return rows_vbmi<8, 1>(W, dec, p, ldp, n0, n1, out, ldo);
+    case 1: return rows_vbmi<1, 4>(W, dec, p, n0, n1, out, ldo);
+    case 2: return rows_vbmi<2, 4>(W, dec, p, n0, n1, out, ldo);
+    case 3: return rows_vbmi<3, 4>(W, dec, p, n0, n1, out, ldo);
+    case 4: return rows_vbmi<4, 2>(W, dec, p, n0, n1, out, ldo);
+    case 5: return rows_vbmi<5, 2>(W, dec, p, n0, n1, out, ldo);
+    case 6: return rows_vbmi<6, 2>(W, dec, p, n0, n1, out, ldo);
+    case 7: return rows_vbmi<7, 2>(W, dec, p, n0, n1, out, ldo);
+    default: return rows_vbmi<8, 2>(W, dec, p, n0, n1, out, ldo);
   }
 }
 

@@ -8,7 +8,7 @@
 // for the arithmetic decoding (e4m3_to_bf16 in fp8_bf16_avx512.h). The unpacks work within
 // 128-bit lanes, so the 64 columns come out as A = [0..7, 16..23, 32..39, 48..55] and
 // B = [8..15, 24..31, 40..47, 56..63]; the rows of x are permuted the same way once per call
-// (permuted_rows, fp8_stage_tiles), and dot products do not care about the order of their
+// (chunked_rows, fp8_stage_tiles), and dot products do not care about the order of their
 // terms. Needs block_k % 64 == 0 (a 64-column chunk never straddles two blocks).
 
 #pragma once
