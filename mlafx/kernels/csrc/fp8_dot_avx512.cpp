@@ -282,7 +282,8 @@ MLAFX_VBMI void rows_vbmi_block(const Fp8Weight& W, const Decoder& dec, const ui
 }
 
 template <int MR, int NR>
-MLAFX_VBMI void rows_vbmi(const Fp8Weight& W, const Decoder& dec, const uint16_t* xp, int64_t n0, int64_t n1, float* out, int64_t ldo) {
+MLAFX_VBMI void rows_vbmi(const Fp8Weight& W, const Decoder& dec, const uint16_t* xp, int64_t n0,
+                          int64_t n1, float* out, int64_t ldo) {
   if (W.block_k == 128) {
     rows_vbmi_block<MR, NR, 128>(W, dec, xp, n0, n1, out, ldo);
   } else {
