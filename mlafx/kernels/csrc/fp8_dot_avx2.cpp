@@ -12,10 +12,9 @@
 // (the sign's copy) per 16, two 128-bit extracts and four VCVTPH2PS. The lanes come out as
 // columns [0, 8), [16, 24), [8, 16), [24, 32) (the unpacks work within 128-bit halves); x is
 // read at those offsets. NaN (0x7F / 0xFF) would come out as the finite 1.875 (480 once the
-// scale's 2^8 applies): each 32 bytes
-// are compared against it (an AND, a compare and an OR into a flag), and a k block whose
-// flag is set runs again with its bytes decoded by the table (e4m3_to_float), so NaN stays
-// NaN.
+// scale's 2^8 applies): each 32 bytes are compared against it (an AND, a compare and an OR
+// into a flag), and a k block whose flag is set runs again with its bytes decoded by the
+// table (e4m3_to_float), so NaN stays NaN.
 //
 // Measured on a 2-core AMD EPYC (Zen 3, AVX2 only, ~2.1 GHz), 7 Dec 2026, weights quantized
 // from Gaussian values: one row of x 8.9-10.5 GB/s of weight bytes per core against 6.2 with
@@ -23,9 +22,9 @@
 // from L2; VCVTPH2PS issues once a cycle there, so the decoding, not memory, bounds it.
 //
 // Tiles: MR rows of x by NR weight rows; each decoded weight vector serves the MR rows of x
-// (x's vectors are loaded again per weight row, from L1). M <= 8 rows of x run in one tile per weight row group, so every weight
-// byte is decoded (and read) once; more rows run 8 at a time over a chunk of weight rows
-// small enough to stay in L2 between the groups. A row's sums run in the same order whatever
+// (x's vectors are loaded again per weight row, from L1). M <= 8 rows of x run in one tile
+// per weight row group, so every weight byte is decoded (and read) once; more rows run 8 at a
+// time over a chunk of weight rows small enough to stay in L2 between the groups. A row's sums run in the same order whatever
 // the tile, so its result does not depend on M.
 #include <immintrin.h>
 
