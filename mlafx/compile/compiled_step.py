@@ -16,8 +16,9 @@ weights are handed to each loaded package with ``load_constants``. Packages are 
 cached on disk by config (less the layer count), the layer's structure, dtype, block size and
 versions, so the next engine start, and every model sharing a layer kind, loads them.
 
-Two processes may start on an empty cache together: a package is built under a lock (the
-second waits, then loads) and written through a unique temporary file renamed into place. A
+Two processes may start on an empty cache together: a package is built under a lock and
+written through a unique temporary file renamed into place; each process takes first the
+kinds nobody else is building, and waits only when none is left (``package_lock.py``). A
 lowering that fails verification is an error naming the layer kind and its sites, and nothing
 is cached; ``allow_unlowered=True`` serves the captured (unlowered, much slower) layer
 instead, loudly and without caching it.
@@ -27,15 +28,13 @@ instead, loudly and without caching it.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 
 from mlafx.compile.aoti_runner import PackageRunner
 from mlafx.compile.layer_kinds import LayerKind, kind_of_layers, layer_kinds
+from mlafx.compile.package_lock import free_first, package_lock
 from mlafx.config import ModelConfig
 from mlafx.graph.capture import (
     LAYER_PREFIX,
@@ -232,19 +232,6 @@ def build_aoti_package(program: torch.export.ExportedProgram, package: Path) -> 
             os.unlink(tmp)
 
 
-@contextlib.contextmanager
-def package_lock(package: Path) -> Iterator[None]:
-    """Held while ``package`` is looked up and, if missing, built: a second process that
-    wants the same package waits here, then finds it built."""
-    package.parent.mkdir(parents=True, exist_ok=True)
-    with open(package.with_name(f".{package.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def layer_package(
     model: MLAForCausalLM,
     kind: LayerKind,
@@ -254,8 +241,25 @@ def layer_package(
     allow_unlowered: bool = False,
 ) -> LayerPackage:
     """The package of layer kind ``kind`` from the cache, compiled first if missing."""
+    found = _layer_package(model, kind, block_size, cache_dir, allow_unlowered, wait=True)
+    assert found is not None  # waited for the lock
+    return found
+
+
+def _layer_package(
+    model: MLAForCausalLM,
+    kind: LayerKind,
+    block_size: int,
+    cache_dir: Path | None,
+    allow_unlowered: bool,
+    *,
+    wait: bool,
+) -> LayerPackage | None:
+    """``layer_package``; with ``wait=False``, None while another process holds its lock."""
     package = package_path(model, kind, block_size, cache_dir)
-    with package_lock(package):
+    with package_lock(package, wait=wait) as held:
+        if not held:
+            return None
         if package.exists():
             return LayerPackage(kind, package, None)
         start = time.perf_counter()
@@ -426,10 +430,13 @@ def compile_step(
     compiled step does not read (they become meta tensors: the model no longer runs
     eagerly), for an engine that serves only the compiled step."""
     start = time.perf_counter()
-    packages = [
-        layer_package(model, kind, block_size, cache_dir, allow_unlowered=allow_unlowered)
-        for kind in layer_kinds(model)
-    ]
+    kinds = layer_kinds(model)
+    packages = free_first(
+        len(kinds),
+        lambda k, wait: _layer_package(
+            model, kinds[k], block_size, cache_dir, allow_unlowered, wait=wait
+        ),
+    )
     step = CompiledStep(
         model.config,
         model_constants(model),

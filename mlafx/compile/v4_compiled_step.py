@@ -38,11 +38,11 @@ from mlafx.compile.compiled_step import (
     layer_constants,
     load_aoti_package,
     model_constants,
-    package_lock,
     package_versions,
     release_weight,
 )
 from mlafx.compile.layer_kinds import LayerKind, layer_signature
+from mlafx.compile.package_lock import free_first, package_lock
 from mlafx.graph.capture import LAYER_PREFIX
 from mlafx.graph.capture_v4 import v4_layer_leaves
 from mlafx.models.deepseek_v4.engine_step import V4StepInputs
@@ -94,8 +94,23 @@ def v4_layer_package(
     model: DeepseekV4ForCausalLM, kind: LayerKind, block_size: int, cache_dir: Path | None = None
 ) -> Path:
     """The package of ``kind`` from the cache, captured and compiled first if missing."""
+    found = _v4_layer_package(model, kind, block_size, cache_dir, wait=True)
+    assert found is not None  # waited for the lock
+    return found
+
+
+def _v4_layer_package(
+    model: DeepseekV4ForCausalLM,
+    kind: LayerKind,
+    block_size: int,
+    cache_dir: Path | None,
+    wait: bool,
+) -> Path | None:
+    """``v4_layer_package``; with ``wait=False``, None while another process holds its lock."""
     package = v4_package_path(model, kind, block_size, cache_dir)
-    with package_lock(package):
+    with package_lock(package, wait=wait) as held:
+        if not held:
+            return None
         if package.exists():
             return package
         start = time.perf_counter()
@@ -199,10 +214,13 @@ def compile_v4_step(
     for each of its layers (``release_replaced_weights``: ``CompiledV4Step``'s)."""
     start = time.perf_counter()
     model.config.cache_block_shapes(block_size)  # the block size must suit every rate
-    packages: dict[int, Path] = {}
-    for kind in v4_layer_kinds(model):
-        package = v4_layer_package(model, kind, block_size, cache_dir)
-        packages.update({layer: package for layer in kind.layers})
+    kinds = v4_layer_kinds(model)
+    built = free_first(
+        len(kinds), lambda k, wait: _v4_layer_package(model, kinds[k], block_size, cache_dir, wait)
+    )
+    packages = {
+        layer: package for kind, package in zip(kinds, built, strict=True) for layer in kind.layers
+    }
     step = CompiledV4Step(
         model, block_size, packages, release_replaced_weights=release_replaced_weights
     )
