@@ -91,22 +91,14 @@ def v4_package_path(
 
 
 def v4_layer_package(
-    model: DeepseekV4ForCausalLM, kind: LayerKind, block_size: int, cache_dir: Path | None = None
-) -> Path:
-    """The package of ``kind`` from the cache, captured and compiled first if missing."""
-    found = _v4_layer_package(model, kind, block_size, cache_dir, wait=True)
-    assert found is not None  # waited for the lock
-    return found
-
-
-def _v4_layer_package(
     model: DeepseekV4ForCausalLM,
     kind: LayerKind,
     block_size: int,
     cache_dir: Path | None,
     wait: bool,
 ) -> Path | None:
-    """``v4_layer_package``; with ``wait=False``, None while another process holds its lock."""
+    """The package of ``kind`` from the cache, captured and compiled first if missing; with
+    ``wait=False``, None while another process holds its lock (``package_lock.free_first``)."""
     package = v4_package_path(model, kind, block_size, cache_dir)
     with package_lock(package, wait=wait) as held:
         if not held:
@@ -216,7 +208,7 @@ def compile_v4_step(
     model.config.cache_block_shapes(block_size)  # the block size must suit every rate
     kinds = v4_layer_kinds(model)
     built = free_first(
-        len(kinds), lambda k, wait: _v4_layer_package(model, kinds[k], block_size, cache_dir, wait)
+        len(kinds), lambda k, wait: v4_layer_package(model, kinds[k], block_size, cache_dir, wait)
     )
     packages = {
         layer: package for kind, package in zip(kinds, built, strict=True) for layer in kind.layers
