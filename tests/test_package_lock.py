@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from mlafx.compile.package_lock import free_first, package_lock
 
 
@@ -44,5 +46,8 @@ def test_a_lock_not_waited_for_holds_nothing(tmp_path):
         assert got
         with package_lock(package, wait=False) as again:
             assert not again
+        with pytest.raises(ValueError) as raised, package_lock(package, wait=False):
+            raise ValueError("the caller's own error")
+        assert raised.value.__context__ is None  # not chained to the lock's BlockingIOError
     with package_lock(package, wait=False) as free:
         assert free

@@ -25,6 +25,10 @@ def package_lock(package: Path, *, wait: bool = True) -> Iterator[bool]:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            held = False
+        else:
+            held = True
+        if not held:  # outside the handler: an error in the caller's block is not chained to it
             yield False
             return
         try:
