@@ -18,8 +18,9 @@ enum class BmmElem { kBf16, kFp16 };
 
 // out[b, m, :] = x[b, m, :] @ w[b] for b < B, m < M (M <= kBatchedMatmulStreamRows for the
 // AVX-512 streaming kernel, kBatchedMatmulAvx2Rows for the AVX2 one, kBatchedMatmulAmxMaxRows
-// for the tile one), in fp32 with one rounding to the element type. x: element strides (xs_b, xs_m, xs_k); w: [B, K, N] with rows of N
-// contiguous elements, ws_b / ws_k apart; out: contiguous [B, M, N].
+// for the tile one), in fp32 with one rounding to the element type. x: element strides (xs_b,
+// xs_m, xs_k); w: [B, K, N] with rows of N contiguous elements, ws_b / ws_k apart; out:
+// contiguous [B, M, N].
 struct BmmArgs {
   BmmElem elem;
   const uint16_t* x;

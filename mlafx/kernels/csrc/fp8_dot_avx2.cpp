@@ -24,8 +24,8 @@
 // Tiles: MR rows of x by NR weight rows; each decoded weight vector serves the MR rows of x
 // (x's vectors are loaded again per weight row, from L1). M <= 8 rows of x run in one tile
 // per weight row group, so every weight byte is decoded (and read) once; more rows run 8 at a
-// time over a chunk of weight rows small enough to stay in L2 between the groups. A row's sums run in the same order whatever
-// the tile, so its result does not depend on M.
+// time over a chunk of weight rows small enough to stay in L2 between the groups. A row's sums
+// run in the same order whatever the tile, so its result does not depend on M.
 #include <immintrin.h>
 
 #include <algorithm>
